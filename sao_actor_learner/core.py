@@ -1,0 +1,134 @@
+"""The small interfaces everything else composes (after Acme's core.py).
+
+Engine       generates tokens with per-token log-probs and policy versions.
+Task         hands out prompts and makes an Environment per episode; scores answers.
+Environment  one episode: takes the model's turn, answers with observation tokens and a reward.
+VariableSource  something that holds policy variables (the learner, the variable server).
+Worker       anything a launcher runs: `run()` until done or until `stop()` is called.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, List, Optional, Sequence, Tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How an Engine samples. temperature=0 means greedy."""
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: Tuple[int, ...] = ()
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+
+
+@dataclasses.dataclass
+class Generation:
+    """What an Engine returns for one prompt.
+
+    tokens:   sampled token ids (a stop token, if one ended the turn, is included).
+    logprobs: log-prob of each sampled token under the weights that sampled it (with
+              temperature/top-p applied as the engine sampled: the behaviour policy).
+    versions: policy version of the weights that sampled each token.
+    finish_reason: "stop" (stop token / EOS) or "length".
+    """
+    tokens: List[int]
+    logprobs: List[float]
+    versions: List[int]
+    finish_reason: str
+
+
+class Engine(abc.ABC):
+    """Generates continuations of token-id prompts and can switch weights by version."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> List[Generation]:
+        """One Generation per prompt, in order."""
+
+    @abc.abstractmethod
+    def load_weights(self, state_dict: dict, version: int) -> None:
+        """Switches to new weights (Hugging Face parameter names) tagged with `version`."""
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """The policy version of the weights in use."""
+
+    def close(self) -> None:
+        """Releases processes or memory the engine holds."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One prompt of a task. `answer` is whatever the task needs to score it."""
+    prompt_id: int
+    token_ids: Tuple[int, ...]
+    text: str = ""
+    answer: Any = None
+
+
+@dataclasses.dataclass
+class StepResult:
+    """An environment's answer to one model turn."""
+    observation_tokens: List[int]
+    reward: float
+    done: bool
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+class Environment(abc.ABC):
+    """One episode of a (possibly multi-turn) task."""
+
+    @abc.abstractmethod
+    def step(self, action_tokens: Sequence[int]) -> StepResult:
+        """Takes the model's turn (its tokens); returns observation tokens, reward and done."""
+
+
+class Task(abc.ABC):
+    """A verifiable task: prompts for training and evaluation, and an environment per episode."""
+
+    name: str = "task"
+
+    @abc.abstractmethod
+    def sample_prompt(self, rng) -> Prompt:
+        """A training prompt (fresh prompt_id each call). `rng` is a numpy Generator."""
+
+    @abc.abstractmethod
+    def eval_prompts(self) -> List[Prompt]:
+        """The held-out prompts, fixed for the task's seed and disjoint from training prompts."""
+
+    @abc.abstractmethod
+    def make_environment(self, prompt: Prompt) -> Environment:
+        """A new episode for `prompt`."""
+
+    @abc.abstractmethod
+    def is_correct(self, prompt: Prompt, completion_tokens: Sequence[int]) -> bool:
+        """Whether a greedy single-turn completion solves the prompt (evaluation)."""
+
+
+class VariableSource(abc.ABC):
+    """Holds policy variables."""
+
+    @abc.abstractmethod
+    def get_variables(self) -> Tuple[int, dict]:
+        """(version, state_dict) of the newest policy."""
+
+
+class Worker(abc.ABC):
+    """What a launcher runs in a node: `run()` returns when done or soon after `stop()`."""
+
+    @abc.abstractmethod
+    def run(self) -> None:
+        """Runs until finished or stopped."""
+
+    def stop(self) -> None:
+        """Asks `run()` to return soon. Called from another thread."""
