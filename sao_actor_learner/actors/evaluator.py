@@ -1,0 +1,78 @@
+"""The evaluator node: greedy held-out accuracy of the latest policy every `eval_every` versions.
+
+Version 0 (the warm start) is evaluated from the checkpoint on disk at start-up, so the
+initial accuracy never depends on timing; the final version (`max_steps`) is always evaluated,
+after which the evaluator finishes.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Dict, List, Optional
+
+from absl import logging
+
+from sao_actor_learner import core
+
+
+def evaluate(engine: core.Engine, task: core.Task, prompts: List[core.Prompt],
+             params: core.SamplingParams, batch_size: int = 64) -> float:
+    """Fraction of `prompts` the engine solves with greedy decoding."""
+    correct = 0
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i:i + batch_size]
+        gens = engine.generate([p.token_ids for p in chunk], params)
+        correct += sum(task.is_correct(p, g.tokens) for p, g in zip(chunk, gens))
+    return correct / max(len(prompts), 1)
+
+
+class Evaluator(core.Worker):
+    def __init__(self, task: core.Task, engine: core.Engine, variables,
+                 decode: Callable[[bytes], dict], params: core.SamplingParams, eval_every: int,
+                 max_steps: int, logger=None):
+        self._task = task
+        self._engine = engine
+        self._variables = variables
+        self._decode = decode
+        self._params = params
+        self._eval_every = eval_every
+        self._max_steps = max_steps
+        self._logger = logger
+        self._prompts = task.eval_prompts()
+        self._stop = threading.Event()
+        self.results: Dict[int, float] = {}
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _evaluate_current(self) -> float:
+        t0 = time.time()
+        acc = evaluate(self._engine, self._task, self._prompts, self._params)
+        v = self._engine.version
+        self.results[v] = acc
+        logging.info("eval: version %d accuracy %.3f (%.1fs)", v, acc, time.time() - t0)
+        if self._logger is not None:
+            self._logger.write({"kind": "eval", "step": v, "policy_version": v,
+                                "eval_accuracy": acc, "eval_size": len(self._prompts),
+                                "eval_time_s": time.time() - t0})
+        return acc
+
+    def _due(self, version: int) -> bool:
+        if version in self.results:
+            return False
+        if version >= self._max_steps:
+            return True
+        last = max(self.results) if self.results else -1
+        return self._eval_every > 0 and version // self._eval_every > last // self._eval_every
+
+    def run(self) -> None:
+        self._evaluate_current()  # version 0, the checkpoint the engine was built from
+        while not self._stop.is_set() and self._max_steps not in self.results:
+            self._variables.update()
+            v, params = self._variables.get_variables()
+            if v >= 0 and self._due(v):
+                if v != self._engine.version:
+                    self._engine.load_weights(self._decode(params), v)
+                self._evaluate_current()
+            else:
+                time.sleep(0.05)

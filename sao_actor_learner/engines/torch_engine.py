@@ -1,0 +1,212 @@
+"""The built-in Engine: batched sampling from a Hugging Face causal LM with a KV cache.
+
+Prompts of different lengths are left-padded into one batch with an attention mask and position
+ids counted from each prompt's first real token, so a padded prompt sees exactly what it would
+see alone. One prefill forward fills the cache (HF `DynamicCache`); every further token costs one
+forward of length 1. Rows that hit a stop token leave the batch (their cache rows are dropped).
+
+Log-probs (what `Generation.logprobs` holds, the behaviour policy):
+  temperature > 0, top_p = 1:  log_softmax(logits / temperature)[token]  (T=1: the raw model)
+  temperature > 0, top_p < 1:  the same, renormalised over the nucleus the token was drawn from
+  temperature = 0 (greedy):    log_softmax(logits)[argmax]  (the raw model distribution)
+They are computed in float32 whatever the model dtype.
+
+Sampling is deterministic given `SamplingParams.seed`, the prompts and `max_batch_size` (one
+torch.Generator drives every draw of a `generate` call; seed=None draws a fresh random seed).
+`generate` and `load_weights` hold one lock, so a call's tokens all carry the same version.
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from absl import logging
+
+from sao_actor_learner import core
+from sao_actor_learner.models.checkpoint import check_compatible, load_policy
+
+
+class TorchEngine(core.Engine):
+    """`core.Engine` over an in-process torch model (HF LlamaForCausalLM, Qwen3MoeForCausalLM)."""
+
+    def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
+                 version: int = 0, max_batch_size: int = 64):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
+        vocab = model.get_input_embeddings().weight.shape[0]
+        for name, tid in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+            if not 0 <= int(tid) < vocab:
+                raise ValueError(f"{name}={tid} is outside the model's vocabulary [0, {vocab})")
+        self._model = model.eval()
+        self._eos = int(eos_token_id)
+        self._pad = int(pad_token_id)
+        self._version = int(version)
+        self._max_batch_size = int(max_batch_size)
+        self._vocab = vocab
+        self._lock = threading.Lock()
+        forward_args = inspect.signature(model.forward).parameters
+        # transformers >= 5.2x calls the KV cache `cache`; older releases `past_key_values`.
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+        self._has_logits_to_keep = "logits_to_keep" in forward_args
+        self.tokenizer = None  # set by from_checkpoint
+
+    @classmethod
+    def from_checkpoint(cls, path: str, version: int = 0, max_batch_size: int = 64,
+                        dtype: torch.dtype = torch.float32) -> "TorchEngine":
+        """An engine on the checkpoint folder `path` (see models.checkpoint); `.tokenizer` is set."""
+        model, tokenizer = load_policy(path, dtype=dtype)
+        engine = cls(model, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                     version=version, max_batch_size=max_batch_size)
+        engine.tokenizer = tokenizer
+        return engine
+
+    # core.Engine ------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    def load_weights(self, state_dict: dict, version: int) -> None:
+        """Validates `state_dict` against the model (names, shapes, dtypes), loads it strictly."""
+        check_compatible(self._model.state_dict(), state_dict)
+        with self._lock, torch.no_grad():
+            self._model.load_state_dict(state_dict, strict=True)
+            self._version = int(version)
+        logging.log_every_n_seconds(logging.INFO, "TorchEngine: now on policy version %d", 30,
+                                    self._version)
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: core.SamplingParams) -> List[core.Generation]:
+        prompts = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
+        for t in params.stop_token_ids:
+            if not 0 <= int(t) < self._vocab:
+                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary "
+                                 f"[0, {self._vocab})")
+        stop_ids = torch.tensor(sorted({self._eos, *map(int, params.stop_token_ids)}))
+        generator = torch.Generator(device=self._device())
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(int(params.seed))
+        results: List[core.Generation] = []
+        with self._lock:
+            version = self._version
+            for start in range(0, len(prompts), self._max_batch_size):
+                chunk = prompts[start:start + self._max_batch_size]
+                results.extend(self._generate_batch(chunk, params, stop_ids, generator, version))
+        return results
+
+    # Internals --------------------------------------------------------------------------------
+    def _device(self) -> torch.device:
+        return self._model.get_input_embeddings().weight.device
+
+    def _check_prompt(self, index: int, prompt: Sequence[int]) -> List[int]:
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {index} is empty: every prompt needs at least one token "
+                             "(start it with <bos>)")
+        bad = [t for t in ids if not 0 <= t < self._vocab]
+        if bad:
+            raise ValueError(f"prompt {index} has token ids {bad[:5]} outside the vocabulary "
+                             f"[0, {self._vocab})")
+        return ids
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache, last_only: bool):
+        kwargs = {self._cache_arg: cache}
+        if last_only and self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self._model(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids, use_cache=True, **kwargs)
+        logits = out.logits[:, -1, :].float()  # [B, V]
+        if not torch.isfinite(logits).all():
+            raise FloatingPointError(
+                f"TorchEngine (policy version {self._version}): the model produced non-finite "
+                "logits; the loaded weights are probably diverged (check the learner's loss)")
+        return logits
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+        try:
+            return DynamicCache(config=self._model.config)
+        except TypeError:  # older transformers
+            return DynamicCache()
+
+    def _generate_batch(self, prompts: List[List[int]], params: core.SamplingParams,
+                        stop_ids: torch.Tensor, generator: torch.Generator,
+                        version: int) -> List[core.Generation]:
+        device = self._device()
+        batch = len(prompts)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self._pad, dtype=torch.long)
+        attention_mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, p in enumerate(prompts):  # left padding
+            input_ids[row, width - len(p):] = torch.tensor(p)
+            attention_mask[row, width - len(p):] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        # Positions count real tokens only, so a padded prompt gets the positions it has alone.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        stop_ids = stop_ids.to(device)
+
+        cache = self._new_cache()
+        logits = self._forward(input_ids, attention_mask, position_ids, cache, last_only=True)
+        next_pos = position_ids[:, -1] + 1                  # [B_active]
+        active = torch.arange(batch, device=device)         # original row of each active row
+        tokens: List[List[int]] = [[] for _ in range(batch)]
+        logprobs: List[List[float]] = [[] for _ in range(batch)]
+        stopped = [False] * batch
+
+        for step in range(params.max_new_tokens):
+            token, logp = _sample(logits, params, generator)    # [B_active], [B_active]
+            for row, t, lp in zip(active.tolist(), token.tolist(), logp.tolist()):
+                tokens[row].append(t)
+                logprobs[row].append(lp)
+            done = torch.isin(token, stop_ids)
+            for row in active[done].tolist():
+                stopped[row] = True
+            if step == params.max_new_tokens - 1 or bool(done.all()):
+                break
+            if bool(done.any()):  # drop finished rows from the batch and its cache
+                keep = (~done).nonzero(as_tuple=True)[0]
+                cache.batch_select_indices(keep)
+                active, token, next_pos = active[keep], token[keep], next_pos[keep]
+                attention_mask = attention_mask[keep]
+            attention_mask = torch.cat(
+                [attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], dim=1)
+            logits = self._forward(token[:, None], attention_mask, next_pos[:, None], cache,
+                                   last_only=False)
+            next_pos = next_pos + 1
+
+        return [core.Generation(tokens=tokens[r], logprobs=logprobs[r],
+                                versions=[version] * len(tokens[r]),
+                                finish_reason="stop" if stopped[r] else "length")
+                for r in range(batch)]
+
+
+def _sample(logits: torch.Tensor, params: core.SamplingParams,
+            generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(token [B], log-prob of that token under the sampling distribution [B]) from logits [B, V]."""
+    if params.temperature == 0.0:
+        logp = torch.log_softmax(logits, dim=-1)
+        token = logits.argmax(dim=-1)
+        return token, logp.gather(-1, token[:, None])[:, 0]
+    logp = torch.log_softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        logp = _top_p_logprobs(logp, params.top_p)
+    token = torch.multinomial(logp.exp(), num_samples=1, generator=generator)[:, 0]
+    return token, logp.gather(-1, token[:, None])[:, 0]
+
+
+def _top_p_logprobs(logp: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Log-probs renormalised over the smallest set of top tokens whose mass reaches `top_p`."""
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    sorted_p = sorted_logp.exp()
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p      # mass of strictly better tokens
+    drop_sorted = mass_before >= top_p                     # the top token is always kept
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)

@@ -1,0 +1,37 @@
+"""absl flags generated from a config dataclass, so every field is a flag with its default."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from absl import flags
+
+
+def define_flags_from_dataclass(cls, flag_values=flags.FLAGS, skip=()) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        t = hints[f.name]
+        default = f.default
+        help_ = f"{cls.__name__}.{f.name}"
+        if t is bool:
+            flags.DEFINE_bool(f.name, default, help_, flag_values=flag_values)
+        elif t is int:
+            flags.DEFINE_integer(f.name, default, help_, flag_values=flag_values)
+        elif t is float:
+            flags.DEFINE_float(f.name, default, help_, flag_values=flag_values)
+        elif t is str:
+            flags.DEFINE_string(f.name, default, help_, flag_values=flag_values)
+        elif typing.get_origin(t) is tuple:
+            flags.DEFINE_list(f.name, list(default), help_, flag_values=flag_values)
+        else:
+            raise TypeError(f"no flag type for {cls.__name__}.{f.name}: {t}")
+
+
+def config_from_flags(cls, flag_values=flags.FLAGS, **overrides):
+    """Builds (and so validates) the config from parsed flags."""
+    kwargs = {f.name: flag_values[f.name].value for f in dataclasses.fields(cls)
+              if f.name in flag_values}
+    kwargs.update(overrides)
+    return cls(**kwargs)

@@ -1,0 +1,809 @@
+"""Local launchers: every node a daemon thread of this process, or its own process.
+
+    launched = launch(program, launch_type="local_mp", run_dir="runs/x",
+                      terminal_groups=("learner",))
+    launched.wait()   # until the learner finishes (or any node fails), then stops the rest
+    launched.stop()   # idempotent
+
+local_mt   every node a daemon thread here: for tests and debugging; a PyNode's handle then
+           dereferences to its worker object, so a test can step it by hand.
+local_mp   (default) every node its own process, started with multiprocessing's "spawn" (never
+           fork: torch and TensorFlow start threads); each process's stdout and stderr go to
+           `run_dir/logs/<label>_<index>.log`.
+
+Order: service nodes start first, on ports this launcher picks on 127.0.0.1; PyNodes start once
+every service accepts TCP connections. Stopping is cooperative: PyNodes are asked first (their
+worker's `stop()`), then services, each set given `notice_s` seconds before leftover processes
+are terminated and then killed. Processes never outlive the launcher: `wait()` and `launch()`
+stop what they started when they raise (KeyboardInterrupt too), an atexit hook stops programs
+still running at exit, and each node process stops itself when its parent process dies.
+
+`run_dir/nodes.json` lists every node (label, index, pid or thread, address, status, exit code,
+log) and is rewritten whenever a status changes. Statuses: pending, running, finished (its
+worker's run() returned), failed (an exception or a non-zero exit code), killed (terminated by
+the launcher after the notice period), unresponsive (a thread that ignored stop; left behind
+as a daemon thread).
+
+Pure standard library.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util  # noqa: F401  (registers its atexit hook before ours: ours runs first)
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+from sao_actor_learner.launch.program import (Handle, Node, Program, PyNode, PyNodeHandle,
+                                              ServiceHandle, ServiceNode, find_handles,
+                                              map_handles)
+
+__all__ = ["launch", "Launched", "NodeFailedError", "LAUNCH_TYPES"]
+
+LAUNCH_TYPES = ("local_mp", "local_mt")
+LOG_TAIL_LINES = 40
+_KILL_GRACE_S = 2.0        # after SIGTERM, before SIGKILL
+_POLL_S = 0.05
+
+_logger = logging.getLogger(__name__)
+
+
+class NodeFailedError(RuntimeError):
+    """A node exited with an exception or a non-zero exit code (or a service never came up).
+
+    The message names the node and carries the tail of its log (processes) or its traceback
+    (threads); `node`, `exitcode` and `details` hold the same separately.
+    """
+
+    def __init__(self, message: str, node: str = "", exitcode: Optional[int] = None,
+                 details: str = "") -> None:
+        super().__init__(message)
+        self.node = node
+        self.exitcode = exitcode
+        self.details = details
+
+
+class _Record:
+    """What the launcher knows about one node it started."""
+
+    def __init__(self, node: Node, log_path: Optional[str]) -> None:
+        self.node = node
+        self.kind = "service" if isinstance(node, ServiceNode) else "py"
+        self.status = "pending"
+        self.exitcode: Optional[int] = None
+        self.pid: Optional[int] = None
+        self.thread_name: Optional[str] = None
+        self.log_path = log_path
+        self.error: Optional[str] = None      # traceback (threads)
+        self.killed = False                   # the launcher sent it SIGTERM/SIGKILL
+        self.process: Any = None              # multiprocessing process (local_mp)
+        self.thread: Optional[threading.Thread] = None
+        self.control: Optional[_WorkerControl] = None
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    @property
+    def done(self) -> bool:
+        return self.status not in ("pending", "running")
+
+    def info(self) -> dict:
+        return {"name": self.name, "label": self.node.label, "index": self.node.index,
+                "kind": self.kind, "pid": self.pid, "thread": self.thread_name,
+                "address": self.node.handle.address if self.node.handle else None,
+                "status": self.status, "exitcode": self.exitcode, "log": self.log_path}
+
+
+_LIVE: "set[Launched]" = set()        # strong refs: dropped programs are still stopped at exit
+_LIVE_LOCK = threading.Lock()
+_ENV_LOCK = threading.Lock()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for launched in live:
+        try:
+            launched.stop()
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            traceback.print_exc()
+
+
+class Launched:
+    """A running program: `wait()` for it, `stop()` it; also a context manager (stops on exit)."""
+
+    launch_type = ""
+
+    def __init__(self, program: Program, run_dir: str, terminal_groups: Optional[Sequence[str]],
+                 env: Mapping[str, str], notice_s: float, service_timeout_s: float) -> None:
+        self.program = program
+        self.run_dir = run_dir
+        self.notice_s = float(notice_s)
+        self.service_timeout_s = float(service_timeout_s)
+        self._env = {str(k): str(v) for k, v in env.items()}
+        self._cond = threading.Condition()
+        self._stop_lock = threading.Lock()
+        self._stop_requested = False
+        self._stopped = False
+        self._records: List[_Record] = [
+            _Record(n, self._log_path(n)) for n in program.nodes]
+        self._by_name = {r.name: r for r in self._records}
+        self._terminal = self._terminal_records(terminal_groups)
+
+    # ----------------------------------------------------------------------------- public API
+    @property
+    def addresses(self) -> Dict[str, List[Optional[str]]]:
+        """label -> the addresses ("127.0.0.1:PORT") of the group's service nodes."""
+        out: Dict[str, List[Optional[str]]] = {}
+        for r in self._records:
+            if r.kind == "service":
+                out.setdefault(r.node.label, []).append(r.node.handle.address)
+        return out
+
+    @property
+    def exitcodes(self) -> Dict[str, List[Optional[int]]]:
+        """label -> each node's exit code (None while running; threads: 0 returned, 1 raised)."""
+        out: Dict[str, List[Optional[int]]] = {}
+        for r in self._records:
+            out.setdefault(r.node.label, []).append(r.exitcode)
+        return out
+
+    @property
+    def statuses(self) -> Dict[str, List[str]]:
+        """label -> each node's status (see the module docstring)."""
+        out: Dict[str, List[str]] = {}
+        for r in self._records:
+            out.setdefault(r.node.label, []).append(r.status)
+        return out
+
+    def nodes_info(self) -> List[dict]:
+        """One dict per node, as written to nodes.json."""
+        with self._cond:
+            return [r.info() for r in self._records]
+
+    def log_path(self, label: str, index: int = 0) -> Optional[str]:
+        """The log file of node `<label>_<index>` (None under local_mt)."""
+        return self._by_name[f"{label}_{index}"].log_path
+
+    @property
+    def stopped(self) -> bool:
+        """Whether stop() has finished."""
+        return self._stopped
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until every terminal node finished, then stops the rest and returns True.
+
+        Terminal nodes are the PyNodes of `terminal_groups` (all PyNodes when it was None); with
+        none, waits until the program is stopped. Returns True too once the program is stopped
+        (by `stop()` from another thread), and False when `timeout` seconds pass first (the
+        program keeps running). If any node fails, stops the program and raises
+        NodeFailedError; a KeyboardInterrupt or other exception also stops it, then propagates.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        finished = False
+        try:
+            with self._cond:
+                while True:
+                    failed = self._first_failure()
+                    if failed is not None:
+                        break
+                    if self._stopped:
+                        finished = True
+                        break
+                    if self._terminal and all(r.status == "finished" for r in self._terminal):
+                        finished = True
+                        break
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._cond.wait(0.25 if remaining is None else min(remaining, 0.25))
+            self.stop()
+            failed = self._first_failure()
+            if failed is not None:
+                raise self._failure_error(failed)
+            return finished
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stops every node: PyNodes first, then services; each set gets `notice_s` seconds to
+        return from run() before leftover processes are terminated (threads abandoned).
+
+        Idempotent and safe to call from any thread; never raises for nodes' failures (see
+        `wait()` and `statuses`)."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stop_requested = True
+            try:
+                for kind in ("py", "service"):
+                    records = [r for r in self._records if r.kind == kind]
+                    if records:
+                        self._stop_records(kind, records)
+            finally:
+                self._finish_stop()
+                self._stopped = True
+                with _LIVE_LOCK:
+                    _LIVE.discard(self)
+                with self._cond:
+                    self._write_nodes_json()
+                    self._cond.notify_all()
+
+    def __enter__(self) -> "Launched":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.program.name!r}, run_dir={self.run_dir!r}, "
+                f"statuses={self.statuses})")
+
+    # ------------------------------------------------------------------- launcher internals
+    def _start(self) -> None:
+        """Starts services, waits for their ports, then starts PyNodes."""
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        ports = _free_ports(sum(r.kind == "service" for r in self._records))
+        for r in self._records:
+            if r.kind == "service":
+                r.node.handle._address = f"127.0.0.1:{ports.pop()}"
+            else:
+                r.node.handle._launch_type = self.launch_type
+        self._prepare()
+        services = [r for r in self._records if r.kind == "service"]
+        for r in services:
+            self._start_node(r)
+        with self._cond:
+            self._write_nodes_json()
+        for r in services:
+            self._wait_for_service(r)
+        for r in self._records:
+            if r.kind == "py":
+                self._start_node(r)
+        with self._cond:
+            self._write_nodes_json()
+
+    def _record_exit(self, r: _Record, exitcode: int, error: Optional[str] = None) -> None:
+        """Notes that node `r` ended (once); wakes waiters."""
+        with self._cond:
+            if r.done:
+                return
+            r.exitcode = exitcode
+            r.error = error
+            if exitcode == 0:
+                r.status = "finished"
+            elif r.killed and exitcode in (-signal.SIGTERM, -signal.SIGKILL):
+                r.status = "killed"
+            else:
+                r.status = "failed"
+                if not self._stop_requested:
+                    _logger.error("node %s failed (exit code %s); see %s", r.name, exitcode,
+                                  r.log_path or "its traceback")
+            self._write_nodes_json()
+            self._cond.notify_all()
+
+    def _first_failure(self) -> Optional[_Record]:
+        failed = [r for r in self._records if r.status == "failed"]
+        return failed[0] if failed else None
+
+    def _terminal_records(self, terminal_groups: Optional[Sequence[str]]) -> List[_Record]:
+        if terminal_groups is None:
+            return [r for r in self._records if r.kind == "py"]
+        if isinstance(terminal_groups, str):
+            terminal_groups = (terminal_groups,)
+        groups = self.program.groups
+        missing = [g for g in terminal_groups if g not in groups]
+        present = [g for g in terminal_groups if g in groups]
+        for g in present:
+            if not any(isinstance(n, PyNode) for n in groups[g]):
+                raise ValueError(f"terminal group {g!r} holds only service nodes, which serve "
+                                 "until stopped: wait() would never return")
+        if not present:
+            raise ValueError(f"terminal_groups={tuple(terminal_groups)!r}: none of these groups "
+                             f"is in program {self.program.name!r} (groups: {sorted(groups)})")
+        if missing:
+            _logger.info("terminal groups %s are not in program %r; waiting for %s",
+                         missing, self.program.name, present)
+        return [r for r in self._records if r.node.label in present and r.kind == "py"]
+
+    def _write_nodes_json(self) -> None:
+        """Rewrites run_dir/nodes.json (atomically). Call with self._cond held."""
+        data = {"program": self.program.name, "launch_type": self.launch_type,
+                "launcher_pid": os.getpid(), "updated": time.time(),
+                "nodes": [r.info() for r in self._records]}
+        path = os.path.join(self.run_dir, "nodes.json")
+        tmp = path + ".tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, path)
+        except OSError as e:  # a full disk must not take the program down
+            _logger.warning("could not write %s: %s", path, e)
+
+    def _wait_for_service(self, r: _Record) -> None:
+        """Returns once r's port accepts a TCP connection; raises NodeFailedError otherwise."""
+        host, port = r.node.handle.address.rsplit(":", 1)
+        deadline = time.monotonic() + self.service_timeout_s
+        while True:
+            try:
+                with socket.create_connection((host, int(port)), timeout=1.0):
+                    return
+            except OSError:
+                pass
+            self._poll(r)
+            if r.done:
+                raise self._failure_error(
+                    r, f"service node {r.name} exited (code {r.exitcode}) before accepting "
+                       f"connections on {r.node.handle.address}")
+            if time.monotonic() > deadline:
+                raise self._failure_error(
+                    r, f"service node {r.name} did not accept TCP connections on "
+                       f"{r.node.handle.address} within {self.service_timeout_s:g} s: does its "
+                       "factory serve on the `port` it is given? (raise service_timeout_s if "
+                       "it is only slow)")
+            time.sleep(_POLL_S)
+
+    def _failure_error(self, r: _Record, headline: Optional[str] = None) -> NodeFailedError:
+        details = self._details(r)
+        if headline is None:
+            headline = f"node {r.name} failed (exit code {r.exitcode}{_signal_name(r.exitcode)})"
+        return NodeFailedError(f"{headline}\n{details}", node=r.name, exitcode=r.exitcode,
+                               details=details)
+
+    def _log_path(self, node: Node) -> Optional[str]:
+        return None
+
+    # Subclasses implement these.
+    def _prepare(self) -> None:
+        """Checks and setup before any node starts."""
+
+    def _start_node(self, r: _Record) -> None:
+        raise NotImplementedError
+
+    def _poll(self, r: _Record) -> None:
+        """Records r's exit if it ended."""
+
+    def _stop_records(self, kind: str, records: List[_Record]) -> None:
+        raise NotImplementedError
+
+    def _finish_stop(self) -> None:
+        """Cleanup after every node stopped."""
+
+    def _details(self, r: _Record) -> str:
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------------------ local_mt
+class _ThreadLaunched(Launched):
+    """local_mt: every node a daemon thread of this process."""
+
+    launch_type = "local_mt"
+
+    def _prepare(self) -> None:
+        if self._env:
+            os.environ.update(self._env)   # one process: the variables are shared by all nodes
+
+    def _start_node(self, r: _Record) -> None:
+        r.control = _WorkerControl(r.name)
+        r.thread = threading.Thread(target=self._thread_main, args=(r,), daemon=True,
+                                    name=f"{self.program.name}/{r.name}")
+        r.thread_name = r.thread.name
+        r.status = "running"
+        r.thread.start()
+
+    def _thread_main(self, r: _Record) -> None:
+        node, handle = r.node, r.node.handle
+        on_built = handle._set_worker if isinstance(handle, PyNodeHandle) else None
+        port = _port(handle) if isinstance(handle, ServiceHandle) else None
+        try:
+            _build_and_run(r.name, node.fn, node.args, node.kwargs, port, r.control, on_built)
+        except BaseException:  # noqa: BLE001 - reported through wait()
+            tb = traceback.format_exc()
+            if isinstance(handle, PyNodeHandle):
+                handle._set_error(tb)
+            self._record_exit(r, 1, tb)
+        else:
+            if isinstance(handle, PyNodeHandle):
+                handle._set_error("its worker was stopped before it was built")
+            self._record_exit(r, 0)
+
+    def _stop_records(self, kind: str, records: List[_Record]) -> None:
+        for r in records:
+            if r.control is not None:
+                r.control.request_stop()
+        deadline = time.monotonic() + self.notice_s
+        for r in records:
+            if r.thread is not None:
+                r.thread.join(max(0.0, deadline - time.monotonic()))
+        with self._cond:
+            for r in records:
+                if r.thread is not None and r.thread.is_alive() and not r.done:
+                    r.status = "unresponsive"
+                    _logger.warning("node %s did not return from run() within notice_s=%g s "
+                                    "of stop(); left behind as a daemon thread",
+                                    r.name, self.notice_s)
+                elif r.thread is None and r.status == "pending":
+                    r.status = "finished"     # never started (launch failed before it)
+
+    def _details(self, r: _Record) -> str:
+        return r.error or "(no traceback)"
+
+
+# ------------------------------------------------------------------------------ local_mp
+class _ProcessLaunched(Launched):
+    """local_mp: every node its own "spawn" process, logging to run_dir/logs/<name>.log."""
+
+    launch_type = "local_mp"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ctx = multiprocessing.get_context("spawn")
+        self._events = {"py": self._ctx.Event(), "service": self._ctx.Event()}
+        self._reap_lock = threading.Lock()
+        self._payloads: Dict[str, bytes] = {}
+        self._monitor: Optional[threading.Thread] = None
+        self._monitor_stop = threading.Event()
+
+    def _log_path(self, node: Node) -> Optional[str]:
+        return os.path.join(self.run_dir, "logs", f"{node.name}.log")
+
+    def _prepare(self) -> None:
+        """Pickles every node up front, so that a bad argument fails before anything starts."""
+        os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
+        for r in self._records:
+            node = r.node
+            for h in find_handles((node.args, node.kwargs)):
+                if isinstance(h, PyNodeHandle):
+                    raise ValueError(
+                        f"node {node.name} gets the handle of PyNode {h.name} in its arguments: "
+                        "under local_mp a PyNode's worker lives in its own process and cannot "
+                        "be dereferenced elsewhere; pass a ServiceNode's handle instead (or use "
+                        "local_mt)")
+            try:
+                self._payloads[r.name] = pickle.dumps(
+                    (node.fn, node.args, node.kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as e:
+                raise TypeError(
+                    f"node {node.name}: its function and arguments can't be pickled for "
+                    f"local_mp ({type(e).__name__}: {e}); use module-level functions and "
+                    "picklable arguments (or launch_type='local_mt')") from e
+        self._monitor = threading.Thread(target=self._monitor_main, daemon=True,
+                                         name=f"{self.program.name}/monitor")
+        self._monitor.start()
+
+    def _start_node(self, r: _Record) -> None:
+        port = _port(r.node.handle) if r.kind == "service" else None
+        with open(r.log_path, "w") as f:
+            f.write(f"[launch] {self.program.name}/{r.name}: starting ({time.ctime()})\n")
+        proc = self._ctx.Process(
+            target=_process_main, name=f"{self.program.name}/{r.name}",
+            args=(self._payloads[r.name], r.name, port, r.log_path,
+                  self._events[r.kind], self.notice_s, self._env))
+        with _ENV_LOCK:
+            # The child inherits this environment when its interpreter starts: the variables
+            # are in place before it imports anything (OMP_NUM_THREADS before torch).
+            saved = {k: os.environ.get(k) for k in self._env}
+            os.environ.update(self._env)
+            try:
+                proc.start()
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        with self._cond:
+            r.process = proc
+            r.pid = proc.pid
+            r.status = "running"
+
+    def _poll(self, r: _Record) -> None:
+        if r.process is None or r.done:
+            return
+        with self._reap_lock:
+            code = r.process.exitcode
+        if code is not None:
+            self._record_exit(r, code)
+
+    def _monitor_main(self) -> None:
+        """Notices processes that end, as soon as they end."""
+        while not self._monitor_stop.is_set():
+            live = [r for r in self._records if r.process is not None and not r.done]
+            if not live:
+                time.sleep(0.1)
+                continue
+            try:
+                multiprocessing.connection.wait([r.process.sentinel for r in live], timeout=0.2)
+            except (OSError, ValueError):  # a sentinel closed under us
+                time.sleep(_POLL_S)
+            for r in live:
+                self._poll(r)
+
+    def _stop_records(self, kind: str, records: List[_Record]) -> None:
+        self._events[kind].set()
+        self._wait_exit(records, self.notice_s)
+        left = [r for r in records if r.process is not None and not r.done]
+        for r in left:
+            _logger.warning("node %s (pid %s) did not stop within notice_s=%g s; terminating",
+                            r.name, r.pid, self.notice_s)
+            r.killed = True
+            _signal(r.process, signal.SIGTERM)
+        self._wait_exit(left, _KILL_GRACE_S)
+        left = [r for r in left if not r.done]
+        for r in left:
+            _signal(r.process, signal.SIGKILL)
+        self._wait_exit(left, 10.0)
+        with self._cond:
+            for r in records:
+                if r.process is None and r.status == "pending":
+                    r.status = "finished"     # never started (launch failed before it)
+
+    def _wait_exit(self, records: List[_Record], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            for r in records:
+                self._poll(r)
+            live = [r for r in records if r.process is not None and not r.done]
+            remaining = deadline - time.monotonic()
+            if not live or remaining <= 0:
+                return
+            try:
+                multiprocessing.connection.wait([r.process.sentinel for r in live],
+                                                timeout=min(remaining, 0.2))
+            except (OSError, ValueError):
+                time.sleep(_POLL_S)
+
+    def _finish_stop(self) -> None:
+        self._monitor_stop.set()
+        for r in self._records:
+            self._poll(r)
+
+    def _details(self, r: _Record) -> str:
+        tail = _tail(r.log_path, LOG_TAIL_LINES) if r.log_path else ""
+        return f"pid {r.pid}; last {LOG_TAIL_LINES} lines of {r.log_path}:\n{tail}"
+
+
+# ---------------------------------------------------------------------------------- launch
+def launch(program: Program, launch_type: str = "local_mp", run_dir: Optional[str] = None,
+           terminal_groups: Optional[Sequence[str]] = None,
+           env: Optional[Mapping[str, str]] = None, notice_s: float = 10.0,
+           service_timeout_s: float = 120.0) -> Launched:
+    """Starts every node of `program` and returns the running program.
+
+    launch_type: "local_mp" (a process per node, the default) or "local_mt" (a thread per node).
+    run_dir: where nodes.json and logs/ go (a new temporary folder when None).
+    terminal_groups: the groups whose PyNodes `wait()` waits for (all PyNodes when None);
+      groups the program lacks are skipped (an evaluator that is switched off) but at least one
+      must exist.
+    env: environment variables for the nodes, in place before their interpreter starts (local_mp;
+      under local_mt they are set in this process).
+    notice_s: how long stop() gives nodes to return from run() before terminating them.
+    service_timeout_s: how long a service node may take to accept TCP connections.
+    """
+    if launch_type not in LAUNCH_TYPES:
+        raise ValueError(f"launch_type={launch_type!r}: must be one of {LAUNCH_TYPES}")
+    if not isinstance(program, Program):
+        raise TypeError(f"launch({program!r}): expected a Program")
+    if not program.nodes:
+        raise ValueError(f"program {program.name!r} has no nodes")
+    if notice_s < 0:
+        raise ValueError(f"notice_s={notice_s}: must be >= 0 (seconds stop() waits before "
+                         "terminating a node)")
+    if service_timeout_s <= 0:
+        raise ValueError(f"service_timeout_s={service_timeout_s}: must be > 0")
+    if program._launched:
+        raise RuntimeError(f"program {program.name!r} was already launched; build a new Program "
+                           "to launch again")
+    own = {id(n.handle) for n in program.nodes}
+    for n in program.nodes:
+        for h in find_handles((n.args, n.kwargs)):
+            if id(h) not in own:
+                raise ValueError(f"node {n.name} gets handle {h.name!r} of another program")
+    if run_dir is None:
+        run_dir = tempfile.mkdtemp(prefix=f"{program.name}-")
+    os.makedirs(run_dir, exist_ok=True)
+    cls = _ProcessLaunched if launch_type == "local_mp" else _ThreadLaunched
+    launched = cls(program, run_dir, terminal_groups, env or {}, notice_s, service_timeout_s)
+    program._launched = True
+    try:
+        launched._start()
+    except BaseException:
+        launched.stop()
+        raise
+    return launched
+
+
+# ------------------------------------------------------------------------- node internals
+class _WorkerControl:
+    """Links a node's worker with the stop request that may arrive from another thread."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._worker: Any = None
+        self.stop_requested = False
+
+    def set_worker(self, worker: Any) -> bool:
+        """Registers the built worker; False (and the worker told to stop) if stop came first."""
+        with self._lock:
+            if not self.stop_requested:
+                self._worker = worker
+                return True
+        _call_stop(worker, self.name)
+        return False
+
+    def request_stop(self) -> None:
+        """Asks the worker (now, or as soon as it is built) to stop; once."""
+        with self._lock:
+            if self.stop_requested:
+                return
+            self.stop_requested = True
+            worker = self._worker
+        if worker is not None:
+            _call_stop(worker, self.name)
+
+
+def _call_stop(worker: Any, name: str) -> None:
+    try:
+        worker.stop()
+    except Exception:  # noqa: BLE001 - a failing stop() must not kill the watcher
+        print(f"[launch] {name}: worker.stop() raised:", file=sys.stderr)
+        traceback.print_exc()
+
+
+def _build_and_run(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                   port: Optional[int], control: _WorkerControl,
+                   on_built: Optional[Callable[[Any], None]] = None) -> None:
+    """In the node's own process or thread: dereference handles, build the worker, run it."""
+    args, kwargs = map_handles((args, kwargs), lambda h: h.dereference())
+    if port is not None:
+        kwargs = dict(kwargs, port=port)
+    if control.stop_requested:
+        return
+    worker = fn(*args, **kwargs)
+    if not callable(getattr(worker, "run", None)) or not callable(getattr(worker, "stop", None)):
+        raise TypeError(f"node {name}: {getattr(fn, '__qualname__', fn)} returned "
+                        f"{type(worker).__name__}, not a Worker (needs run() and stop())")
+    if on_built is not None:
+        on_built(worker)
+    if control.set_worker(worker):
+        worker.run()
+
+
+def _process_main(payload: bytes, name: str, port: Optional[int], log_path: str,
+                  stop_event: Any, notice_s: float, env: Mapping[str, str]) -> None:
+    """Entry point of a node's process (spawned)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C is the launcher's to handle
+    _redirect_output(log_path)
+    os.environ.update(env)
+    print(f"[launch] {name}: pid {os.getpid()}, launcher pid {os.getppid()}", flush=True)
+    control = _WorkerControl(name)
+
+    def watch_stop() -> None:
+        stop_event.wait()
+        print(f"[launch] {name}: stop requested", flush=True)
+        control.request_stop()
+
+    def watch_parent() -> None:
+        parent = multiprocessing.parent_process()
+        if parent is not None:
+            parent.join()
+        else:  # pragma: no cover - spawn children always know their parent
+            ppid = os.getppid()
+            while os.getppid() == ppid:
+                time.sleep(0.5)
+        print(f"[launch] {name}: launcher died; stopping", flush=True)
+        control.request_stop()
+        time.sleep(notice_s)
+        print(f"[launch] {name}: still running {notice_s:g} s after stop; exiting", flush=True)
+        _flush()
+        os._exit(1)
+
+    threading.Thread(target=watch_stop, daemon=True, name="launch-stop-watcher").start()
+    threading.Thread(target=watch_parent, daemon=True, name="launch-parent-watcher").start()
+    code = 0
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+        _build_and_run(name, fn, args, kwargs, port, control)
+        print(f"[launch] {name}: run() returned", flush=True)
+    except BaseException:  # noqa: BLE001 - the log and the exit code carry it
+        traceback.print_exc()
+        code = 1
+    _flush()
+
+    def force_exit() -> None:   # threads the worker left behind must not keep us alive
+        time.sleep(max(notice_s, 1.0))
+        print(f"[launch] {name}: non-daemon threads still running; exiting", flush=True)
+        _flush()
+        os._exit(code)
+
+    threading.Thread(target=force_exit, daemon=True).start()
+    if code:
+        sys.exit(code)
+
+
+def _redirect_output(log_path: str) -> None:
+    """Points this process's stdout and stderr (file descriptors 1 and 2 too) at log_path."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    _flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for stream_name, fdno in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, stream_name)
+        if stream is None or not hasattr(stream, "reconfigure"):
+            setattr(sys, stream_name, open(fdno, "w", buffering=1, closefd=False))
+        else:
+            stream.reconfigure(line_buffering=True)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _signal(proc: Any, sig: int) -> None:
+    try:
+        os.kill(proc.pid, sig)
+    except (ProcessLookupError, TypeError):
+        pass
+
+
+def _signal_name(code: Optional[int]) -> str:
+    if code is not None and code < 0:
+        try:
+            return f", killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return ""
+    return ""
+
+
+def _port(handle: Handle) -> int:
+    return int(handle.address.rsplit(":", 1)[1])
+
+
+def _free_ports(n: int) -> List[int]:
+    """n distinct free TCP ports on 127.0.0.1 (bound together, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _tail(path: str, n: int) -> str:
+    """The last n lines of a text file (empty if it can't be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 256 * 1024))
+            data = f.read()
+    except OSError as e:
+        return f"(could not read the log: {e})"
+    lines = data.decode("utf-8", "replace").splitlines()
+    return "\n".join(lines[-n:])

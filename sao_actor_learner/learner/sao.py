@@ -1,0 +1,290 @@
+"""The SAO learner (SAO.md sections 2-6), in the order one step runs:
+
+  1. sample B rollouts from the FIFO table; drop (and count) any staler than max_staleness;
+  2. critic values (no grad) -> skip-observation GAE: policy advantages with length-adaptive
+     lambda, critic targets with lambda_critic;
+  3. one policy step on the DIS loss against the rollout log-probs (no old-policy recompute);
+  4. K critic steps on the same batch, values recomputed each time, attention frozen;
+  5. version += 1, publish the weights, log the step.
+
+`update()` is the math on a collated batch and needs no replay or network, so tests drive it
+directly; `step()` and `run()` add sampling, publishing and logging.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from absl import logging
+
+from sao_actor_learner import core
+from sao_actor_learner.config import SAOConfig
+from sao_actor_learner.learner import advantages as adv_lib
+from sao_actor_learner.learner import losses
+from sao_actor_learner.types import Batch, Rollout, collate
+
+GAE_FUNCTIONS = {
+    "skip_observation": adv_lib.skip_observation_gae,
+    "standard": adv_lib.token_level_gae,
+}
+
+
+def _grad_norm_and_clip(params, max_norm: float) -> float:
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return 0.0
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+class SAOLearner(core.Worker, core.VariableSource):
+    """Trains a policy and its critic with SAO on rollouts sampled from replay.
+
+    Args:
+      config: the run configuration.
+      policy: a Hugging Face causal LM (the warm start).
+      critic: a `models.value.ValueModel`, already frozen as configured.
+      reader: something with `sample(n, timeout_s) -> List[Rollout]` and `queue_size()`.
+      publisher: something with `publish(version, payload_bytes, dropped_total)`; None: no publish.
+      serialize: state_dict -> bytes for the publisher.
+      logger: something with `write(dict)`; None: no logging.
+      checkpoint_fn: called as checkpoint_fn(learner, step) to save; None: no checkpoints.
+    """
+
+    def __init__(self, config: SAOConfig, policy: torch.nn.Module, critic: torch.nn.Module,
+                 reader=None, publisher=None, serialize: Optional[Callable[[dict], bytes]] = None,
+                 logger=None, checkpoint_fn=None, pad_id: int = 0):
+        self.config = config
+        self.policy = policy
+        self.critic = critic
+        self._reader = reader
+        self._publisher = publisher
+        self._serialize = serialize
+        self._logger = logger
+        self._checkpoint_fn = checkpoint_fn
+        self._pad_id = pad_id
+        self.policy_opt = torch.optim.AdamW(policy.parameters(), lr=config.policy_lr,
+                                            betas=(0.9, 0.999), weight_decay=0.0)
+        self.critic_opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad],
+                                            lr=config.critic_lr, betas=(0.9, 0.999),
+                                            weight_decay=0.0)
+        self.version = 0                 # learner steps done = policy version
+        self.dropped_stale = 0           # rollouts dropped for staleness, in total
+        self.pretrain_consumed = 0       # rollouts consumed by value pretraining
+        self.rollouts_trained = 0
+        self._stop = threading.Event()
+        self._gae = GAE_FUNCTIONS[config.gae]
+        self._start_time = time.time()
+
+    # --- core interfaces ------------------------------------------------------------------------
+    def get_variables(self) -> Tuple[int, dict]:
+        return self.version, self.policy.state_dict()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # --- the math ---------------------------------------------------------------------------------
+    def compute_advantages(self, batch: Batch) -> Dict[str, torch.Tensor]:
+        """Critic values (no grad) and GAE for a batch: advantages, returns, values, lambdas."""
+        cfg = self.config
+        with torch.no_grad():
+            values = self.critic.values_for_tokens(batch.tokens, batch.attention_mask)
+        mask = batch.action_mask
+        n_actions = mask.sum(1)
+        if cfg.adaptive_lambda:
+            lam_policy = adv_lib.length_adaptive_lambda(n_actions, cfg.lambda_alpha)
+        else:
+            lam_policy = torch.full_like(n_actions, cfg.lambda_policy)
+        advantages, _ = self._gae(batch.rewards, values, mask, cfg.gamma, lam_policy)
+        _, returns = self._gae(batch.rewards, values, mask, cfg.gamma, cfg.lambda_critic)
+        if cfg.normalize_advantages:
+            advantages = adv_lib.masked_whiten(advantages, mask)
+        return {"advantages": advantages, "returns": returns, "values": values,
+                "lambda_policy": lam_policy}
+
+    def policy_logprobs(self, batch: Batch) -> torch.Tensor:
+        """log pi_theta(x_t | x_<t) at every position, with the rollouts' sampling temperature."""
+        logits = self.policy(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
+        return losses.token_logprobs(logits, batch.tokens, self.config.temperature)
+
+    def policy_update(self, batch: Batch, advantages: torch.Tensor) -> Dict[str, float]:
+        cfg = self.config
+        self.policy.train()
+        logp = self.policy_logprobs(batch)
+        loss, stats = losses.dis_policy_loss(logp, batch.rollout_logp, advantages,
+                                             batch.action_mask, cfg.eps_low, cfg.eps_high,
+                                             cfg.loss_normalization)
+        self.policy_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        stats["policy_grad_norm"] = _grad_norm_and_clip(self.policy.parameters(), cfg.max_grad_norm)
+        self.policy_opt.step()
+        return stats
+
+    def critic_update(self, batch: Batch, returns: torch.Tensor, old_values: torch.Tensor,
+                      steps: int) -> Dict[str, float]:
+        """`steps` critic optimizer steps on the same batch, recomputing values each time."""
+        cfg = self.config
+        self.critic.train()
+        stats: Dict[str, float] = {}
+        for k in range(steps):
+            values = self.critic.values_for_tokens(batch.tokens, batch.attention_mask)
+            loss, s = losses.value_loss(values, returns, batch.action_mask, old_values,
+                                        cfg.value_clip)
+            self.critic_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            s["critic_grad_norm"] = _grad_norm_and_clip(self.critic.parameters(), cfg.max_grad_norm)
+            self.critic_opt.step()
+            if k == 0:
+                # Explained variance of the values the advantages were computed from.
+                stats["explained_variance"] = s["explained_variance"]
+                stats["value_loss"] = s["value_loss"]
+            stats["critic_grad_norm"] = s["critic_grad_norm"]
+            stats["value_loss_last"] = s["value_loss"]
+        return stats
+
+    def update(self, batch: Batch, train_policy: bool = True) -> Dict[str, float]:
+        """One SAO update on a collated batch; returns its statistics. Does not bump the version."""
+        est = self.compute_advantages(batch)
+        stats: Dict[str, float] = {}
+        if train_policy:
+            stats.update(self.policy_update(batch, est["advantages"]))
+        stats.update(self.critic_update(batch, est["returns"], est["values"],
+                                        self.config.critic_updates))
+        mask = batch.action_mask.bool()
+        stats["advantage_mean"] = float(est["advantages"][mask].mean()) if mask.any() else 0.0
+        stats["lambda_policy_mean"] = float(est["lambda_policy"].mean())
+        return stats
+
+    # --- data ---------------------------------------------------------------------------------------
+    def staleness_of(self, rollout: Rollout) -> int:
+        return rollout.staleness(self.version)
+
+    def sample_fresh(self, n: int) -> Tuple[List[Rollout], float, int]:
+        """n rollouts no staler than max_staleness (staler ones are dropped and counted).
+
+        Returns (rollouts, seconds spent waiting, dropped now). Returns early when stopped.
+        """
+        fresh: List[Rollout] = []
+        waited, dropped = 0.0, 0
+        while len(fresh) < n and not self._stop.is_set():
+            t0 = time.time()
+            got = self._reader.sample(n - len(fresh), timeout_s=1.0)
+            waited += time.time() - t0
+            for r in got:
+                if self.staleness_of(r) > self.config.max_staleness:
+                    dropped += 1
+                else:
+                    fresh.append(r)
+        self.dropped_stale += dropped
+        return fresh, waited, dropped
+
+    # --- publishing and the loop ------------------------------------------------------------------
+    def publish(self) -> None:
+        if self._publisher is None:
+            return
+        payload = self._serialize(self.policy.state_dict())
+        self._publisher.publish(self.version, payload,
+                                dropped_total=self.dropped_stale + self.pretrain_consumed)
+
+    def _log(self, row: dict) -> None:
+        if self._logger is not None:
+            self._logger.write(row)
+
+    def pretrain_value(self) -> Dict[str, float]:
+        """Critic-only steps on rollouts of the fixed initial policy (SAO.md section 4).
+
+        Runs up to value_pretrain_steps steps, stopping early once explained variance reaches
+        value_pretrain_min_ev. The version does not change, so the rollouts stay on-policy.
+        """
+        cfg = self.config
+        stats: Dict[str, float] = {}
+        for i in range(cfg.value_pretrain_steps):
+            rollouts, _, _ = self.sample_fresh(cfg.batch_size)
+            if self._stop.is_set():
+                break
+            self.pretrain_consumed += len(rollouts)
+            batch = collate(rollouts, self._pad_id)
+            stats = self.update(batch, train_policy=False)
+            stats = {"value_pretrain_step": i, **stats}
+            self._log({"kind": "value_pretrain", **stats})
+            self.publish_progress()  # consumed rollouts count as admission credit
+            if stats["explained_variance"] >= cfg.value_pretrain_min_ev:
+                break
+        return stats
+
+    def publish_progress(self) -> None:
+        """Re-publishes the current version (same weights) with updated admission credit.
+
+        The variable server accepts a republish of its current version when the payload is
+        identical and only refreshes dropped_total, which keeps admission open while value
+        pretraining consumes rollouts without bumping the version.
+        """
+        self.publish()
+
+    def step(self) -> Dict[str, float]:
+        cfg = self.config
+        t_start = time.time()
+        rollouts, waited, dropped = self.sample_fresh(cfg.batch_size)
+        if not rollouts:
+            return {}
+        batch = collate(rollouts, self._pad_id)
+        train_policy = self.version >= cfg.critic_warmup_steps
+        stats = self.update(batch, train_policy=train_policy)
+        trained_version = self.version
+        self.version += 1
+        self.rollouts_trained += len(rollouts)
+        self.publish()
+        elapsed = time.time() - t_start
+        stats.update(self._batch_stats(batch, rollouts, trained_version))
+        stats.update({
+            "step": self.version,
+            "policy_version": self.version,
+            "trained_policy": int(train_policy),
+            "dropped_stale": self.dropped_stale,
+            "dropped_stale_step": dropped,
+            "learner_wait_frac": waited / max(elapsed, 1e-9),
+            "step_time_s": elapsed,
+            "samples_per_s": len(rollouts) / max(elapsed, 1e-9),
+            "tokens_per_s": float(batch.attention_mask.sum()) / max(elapsed, 1e-9),
+            "queue_size": self._reader.queue_size() if self._reader is not None else 0,
+            "rollouts_trained": self.rollouts_trained,
+            "wall_time_s": time.time() - self._start_time,
+        })
+        stats["dis_masked_frac"] = stats.get("masked_frac", 0.0)
+        self._log(stats)
+        if self._checkpoint_fn is not None and cfg.checkpoint_every and \
+                self.version % cfg.checkpoint_every == 0:
+            self._checkpoint_fn(self, self.version)
+        return stats
+
+    def _batch_stats(self, batch: Batch, rollouts: Sequence[Rollout], version: int) -> Dict[str, float]:
+        mask = batch.action_mask.bool()
+        token_staleness = (version - batch.versions)[mask].float()
+        rollout_staleness = np.array([r.staleness(version) for r in rollouts])
+        rewards = np.array([r.total_reward for r in rollouts])
+        hist = np.bincount(rollout_staleness, minlength=self.config.max_staleness + 1)
+        return {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "staleness_mean": float(token_staleness.mean()) if token_staleness.numel() else 0.0,
+            "staleness_max": int(rollout_staleness.max()),
+            "staleness_hist": hist.tolist(),
+            "response_length_mean": float(mask.sum(1).float().mean()),
+            "batch_size": len(rollouts),
+        }
+
+    def run(self) -> None:
+        cfg = self.config
+        self._start_time = time.time()
+        self.publish()  # version 0: the warm start
+        if cfg.value_pretrain_steps:
+            self.pretrain_value()
+        while self.version < cfg.max_steps and not self._stop.is_set():
+            self.step()
+        if self._checkpoint_fn is not None and self.version > 0:
+            self._checkpoint_fn(self, self.version)
+        logging.info("learner finished at version %d (%d rollouts trained, %d dropped stale)",
+                     self.version, self.rollouts_trained, self.dropped_stale)

@@ -1,0 +1,115 @@
+"""Running a program for a user: config.json, launch, a progress line, summary.json."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Dict, Optional
+
+from sao_actor_learner.config import ConfigError, SAOConfig
+from sao_actor_learner.observers import read_metrics, write_json_atomic
+
+
+def check_init_checkpoint(config: SAOConfig) -> None:
+    if not os.path.exists(os.path.join(config.init_checkpoint, "config.json")):
+        raise ConfigError(
+            f"init_checkpoint={config.init_checkpoint!r} holds no Hugging Face checkpoint "
+            "(config.json missing); build the warm start with `make warm-start` or "
+            f"`python programs/sft.py --task={config.task} --out_dir={config.init_checkpoint}`")
+
+
+def _progress_line(config: SAOConfig, run_dir: str, t0: float) -> str:
+    train = read_metrics(run_dir, "train")
+    evals = read_metrics(run_dir, "eval")
+    step = train[-1]["step"] if train else 0
+    width = 30
+    done = int(width * step / config.max_steps)
+    line = f"[{'#' * done}{'.' * (width - done)}] step {step}/{config.max_steps}"
+    if train:
+        last = train[-1]
+        line += (f" reward {last.get('reward_mean', 0):.2f} stale {last.get('staleness_mean', 0):.2f}"
+                 f" kl {last.get('kl_rollout', 0):.4f} ev {last.get('explained_variance', 0):.2f}")
+    if evals:
+        line += f" eval@{evals[-1]['policy_version']} {evals[-1]['eval_accuracy']:.3f}"
+    return line + f" {time.time() - t0:.0f}s"
+
+
+def summarize(config: SAOConfig, run_dir: str, wall_time_s: float) -> Dict:
+    train = read_metrics(run_dir, "train")
+    evals = {r["policy_version"]: r["eval_accuracy"] for r in read_metrics(run_dir, "eval")}
+    actors = []
+    for i in range(config.num_actors):
+        p = os.path.join(run_dir, f"actor_{i}_stats.json")
+        if os.path.exists(p):
+            with open(p) as f:
+                actors.append(json.load(f))
+    rejected: Dict[str, int] = {}
+    for a in actors:
+        for k, v in a.get("rejected", {}).items():
+            rejected[k] = rejected.get(k, 0) + v
+
+    def mean(key):
+        vals = [r[key] for r in train if isinstance(r.get(key), (int, float))]
+        return sum(vals) / len(vals) if vals else None
+
+    summary = {
+        "task": config.task,
+        "steps": train[-1]["step"] if train else 0,
+        "wall_time_s": wall_time_s,
+        "initial_eval_accuracy": evals.get(0),
+        "final_eval_accuracy": evals.get(config.max_steps),
+        "eval_accuracy_by_version": {str(k): v for k, v in sorted(evals.items())},
+        "rollouts_trained": train[-1]["rollouts_trained"] if train else 0,
+        "dropped_stale": train[-1]["dropped_stale"] if train else 0,
+        "staleness_max": max((r["staleness_max"] for r in train), default=0),
+        "staleness_mean": mean("staleness_mean"),
+        "kl_rollout_mean": mean("kl_rollout"),
+        "dis_masked_frac_mean": mean("dis_masked_frac"),
+        "reward_first": train[0]["reward_mean"] if train else None,
+        "reward_last": train[-1]["reward_mean"] if train else None,
+        "samples_per_s_mean": mean("samples_per_s"),
+        "learner_wait_frac_mean": mean("learner_wait_frac"),
+        "rollouts_generated": sum(a.get("rollouts_generated", 0) for a in actors),
+        "rollouts_inserted": sum(a.get("rollouts_inserted", 0) for a in actors),
+        "rollouts_rejected": rejected,
+        "max_staleness": config.max_staleness,
+    }
+    if summary["initial_eval_accuracy"] is not None and summary["final_eval_accuracy"] is not None:
+        summary["eval_accuracy_gain"] = summary["final_eval_accuracy"] - summary["initial_eval_accuracy"]
+    return summary
+
+
+def run_program(config: SAOConfig, make_program, progress: bool = True,
+                terminal_groups=("learner", "evaluator"), env: Optional[Dict[str, str]] = None) -> Dict:
+    """Launches `make_program(config)` and returns (and writes) the run summary."""
+    from sao_actor_learner import launch as lp
+
+    check_init_checkpoint(config)
+    run_dir = config.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)  # a fresh run; resuming is a separate feature
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        f.write(config.to_json())
+    node_env = {"OMP_NUM_THREADS": str(config.threads_per_process), "TF_CPP_MIN_LOG_LEVEL": "2",
+                "PYTHONUNBUFFERED": "1", **(env or {})}
+    t0 = time.time()
+    program = make_program(config)
+    launched = lp.launch(program, launch_type=config.launch, run_dir=run_dir,
+                         terminal_groups=terminal_groups, env=node_env)
+    try:
+        while True:
+            if launched.wait(timeout=2.0):
+                break
+            if progress:
+                sys.stdout.write("\r" + _progress_line(config, run_dir, t0))
+                sys.stdout.flush()
+    finally:
+        launched.stop()
+    if progress:
+        sys.stdout.write("\r" + _progress_line(config, run_dir, t0) + "\n")
+    summary = summarize(config, run_dir, time.time() - t0)
+    write_json_atomic(os.path.join(run_dir, "summary.json"), summary)
+    return summary

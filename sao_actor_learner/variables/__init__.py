@@ -1,0 +1,12 @@
+"""The variable server (newest policy weights, admission control) and its clients."""
+from sao_actor_learner.variables.client import (AdmitResult, PublishError, VariableClient,
+                                                VariableClientError, VariablePublisher,
+                                                VersionInfo)
+from sao_actor_learner.variables.server import (PUBLISHER_TOKEN_METADATA_KEY, PublishedVersion,
+                                                VariableServer)
+
+__all__ = [
+    "AdmitResult", "PublishError", "PublishedVersion", "PUBLISHER_TOKEN_METADATA_KEY",
+    "VariableClient", "VariableClientError", "VariablePublisher", "VariableServer",
+    "VersionInfo",
+]

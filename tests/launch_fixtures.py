@@ -1,0 +1,190 @@
+"""Toy workers for tests/test_launch.py: module-level, picklable, importing nothing heavy."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any, Optional
+
+from sao_actor_learner.core import Worker
+
+
+class EchoServer(Worker):
+    """A TCP server on 127.0.0.1:port answering each line `x` with `<greeting>:x`."""
+
+    def __init__(self, greeting: str, port: int) -> None:
+        self.greeting = greeting
+        self._stop = threading.Event()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", port))
+        self._sock.settimeout(0.05)
+
+    def run(self) -> None:
+        self._sock.listen(16)
+        try:
+            while not self._stop.is_set():
+                try:
+                    conn, _ = self._sock.accept()
+                except socket.timeout:
+                    continue
+                with conn:
+                    conn.settimeout(2.0)
+                    try:
+                        line = conn.makefile("r").readline().strip()
+                    except OSError:   # the launcher's readiness probe closes at once
+                        continue
+                    if line:
+                        conn.sendall(f"{self.greeting}:{line}\n".encode())
+        finally:
+            self._sock.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def make_echo_server(greeting: str, port: int) -> EchoServer:
+    return EchoServer(greeting, port)
+
+
+class EchoClient:
+    """Talks to an EchoServer; remembers the pid of the process that built it."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.built_in_pid = os.getpid()
+
+    def ask(self, text: str) -> str:
+        host, port = self.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5.0) as conn:
+            conn.sendall(f"{text}\n".encode())
+            return conn.makefile("r").readline().strip()
+
+
+def make_echo_client(address: str) -> EchoClient:
+    return EchoClient(address)
+
+
+@dataclasses.dataclass(frozen=True)
+class AskConfig:
+    """A config dataclass with a handle inside, dereferenced by the launcher."""
+    client: Any
+    questions: tuple = ("a", "b")
+
+
+class Asker(Worker):
+    """Asks the echo service each question, writes what it saw to out_path, returns."""
+
+    def __init__(self, out_path: str, config: AskConfig, clients: dict, delay_s: float) -> None:
+        self.out_path, self.config, self.clients, self.delay_s = out_path, config, clients, delay_s
+
+    def run(self) -> None:
+        time.sleep(self.delay_s)
+        client = self.config.client
+        result = {
+            "pid": os.getpid(),
+            "client_type": type(client).__name__,
+            "client_built_in_pid": client.built_in_pid,
+            "same_client_twice": self.clients["again"] is client,
+            "raw_address": self.clients["raw"],
+            "replies": [client.ask(q) for q in self.config.questions],
+            "env": os.environ.get("SAO_LAUNCH_TEST"),
+        }
+        print("asker result", result, flush=True)
+        _write_json(self.out_path, result)
+
+
+def make_asker(out_path: str, config: AskConfig, clients: dict, delay_s: float = 0.0) -> Asker:
+    return Asker(out_path, config, clients, delay_s)
+
+
+class Forever(Worker):
+    """Runs until stop(); then writes a marker file so a test sees the stop was cooperative."""
+
+    def __init__(self, marker_path: Optional[str]) -> None:
+        self.marker_path = marker_path
+        self._stop = threading.Event()
+        self.steps = 0
+
+    def step(self) -> int:
+        """One unit of work (a test may call it by hand through the handle under local_mt)."""
+        self.steps += 1
+        return self.steps
+
+    def run(self) -> None:
+        while not self._stop.wait(0.02):
+            pass
+        if self.marker_path:
+            _write_json(self.marker_path, {"pid": os.getpid(), "stopped": True})
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def make_forever(marker_path: Optional[str] = None) -> Forever:
+    return Forever(marker_path)
+
+
+class Failing(Worker):
+    """Prints numbered lines, then raises."""
+
+    def __init__(self, message: str, n_lines: int, delay_s: float) -> None:
+        self.message, self.n_lines, self.delay_s = message, n_lines, delay_s
+
+    def run(self) -> None:
+        time.sleep(self.delay_s)
+        for i in range(self.n_lines):
+            print(f"failing line {i}")
+        raise RuntimeError(self.message)
+
+
+def make_failing(message: str, n_lines: int = 50, delay_s: float = 0.0) -> Failing:
+    return Failing(message, n_lines, delay_s)
+
+
+class Stubborn(Worker):
+    """Ignores stop(): only a kill ends it."""
+
+    def run(self) -> None:
+        while True:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        print("stubborn: ignoring stop", flush=True)
+
+
+def make_stubborn() -> Stubborn:
+    return Stubborn()
+
+
+def make_silent_server(port: int) -> Forever:
+    """A 'service' that never listens on its port."""
+    return Forever(None)
+
+
+def make_broken_server(port: int) -> EchoServer:
+    raise ValueError(f"cannot serve on {port}: broken on purpose")
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+class Sleeper(Worker):
+    """Sleeps, then returns: a node that finishes on its own."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def run(self) -> None:
+        time.sleep(self.seconds)
+
+
+def make_sleeper(seconds: float = 0.1) -> Sleeper:
+    return Sleeper(seconds)

@@ -1,0 +1,299 @@
+"""The launchpad-style Program and its local launchers (threads and spawned processes).
+
+Toy workers live in tests/launch_fixtures.py (picklable, importing nothing heavy), so every
+spawned node starts in ~0.1-0.3 s.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import launch_fixtures as fx  # noqa: E402
+
+from sao_actor_learner import launch as lp  # noqa: E402
+from sao_actor_learner.launch.program import find_handles, map_handles  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.timeout(60)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (psutil-free)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _child_pids(launched: lp.Launched) -> list:
+    return [n["pid"] for n in launched.nodes_info() if n["pid"] is not None]
+
+
+def _echo_program(tmp_path):
+    """echo (service with a client), raw (service, no client), asker, forever."""
+    program = lp.Program("toy")
+    with program.group("echo"):
+        echo = program.add_node(lp.ServiceNode(fx.make_echo_server, "hi",
+                                               client_factory=fx.make_echo_client))
+    with program.group("raw"):
+        raw = program.add_node(lp.ServiceNode(fx.make_echo_server, "raw"))
+    with program.group("asker"):
+        program.add_node(lp.PyNode(fx.make_asker, str(tmp_path / "asker.json"),
+                                   fx.AskConfig(client=echo), {"again": echo, "raw": raw}))
+    with program.group("forever"):
+        forever = program.add_node(lp.PyNode(fx.make_forever, str(tmp_path / "forever.json")))
+    return program, forever
+
+
+# ---------------------------------------------------------------------------- program
+def test_program_groups_labels_and_handles():
+    program = lp.Program("p")
+    with program.group("actor"):
+        a0 = program.add_node(lp.PyNode(fx.make_sleeper, 0.1))
+        a1 = program.add_node(lp.PyNode(fx.make_sleeper, 0.1))
+    loose = program.add_node(lp.PyNode(fx.make_forever))
+    svc = program.add_node(lp.ServiceNode(fx.make_echo_server, "x"), label="echo")
+    assert (a0.name, a1.name, loose.name, svc.name) == ("actor_0", "actor_1", "forever_0",
+                                                        "echo_0")
+    assert {k: len(v) for k, v in program.groups.items()} == {"actor": 2, "forever": 1, "echo": 1}
+    assert isinstance(svc, lp.Handle) and svc.address is None
+    with pytest.raises(RuntimeError, match="only after `launch"):
+        svc.dereference()
+    with pytest.raises(RuntimeError, match="not been launched"):
+        a0.dereference()
+    with pytest.raises(ValueError, match="do not nest"):
+        with program.group("a"):
+            with program.group("b"):
+                pass
+    node = lp.PyNode(fx.make_sleeper)
+    program.add_node(node)
+    with pytest.raises(ValueError, match="already added"):
+        program.add_node(node)
+    with pytest.raises(ValueError, match="picks the port"):
+        lp.ServiceNode(fx.make_echo_server, "x", port=1)
+    with pytest.raises(ValueError, match="label"):
+        program.add_node(lp.PyNode(fx.make_sleeper), label="a b")
+
+
+def test_map_handles_reaches_into_containers_and_keeps_the_rest():
+    program = lp.Program("p")
+    h = program.add_node(lp.ServiceNode(fx.make_echo_server, "x"))
+    Pair = collections.namedtuple("Pair", "a b")
+
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        h: object
+        n: int = 3
+
+    untouched = {"k": [1, 2, (3, "s")]}
+    value = ([h, Pair(h, 1)], {"cfg": Cfg(h), "plain": untouched}, {h}, "text")
+    out = map_handles(value, lambda handle: f"<{handle.name}>")
+    assert out[0] == ["<echo_server_0>", Pair("<echo_server_0>", 1)]
+    assert out[1]["cfg"] == Cfg("<echo_server_0>") and out[1]["plain"] is untouched
+    assert out[2] == {"<echo_server_0>"} and out[3] == "text"
+    assert map_handles(untouched, str) is untouched
+    assert find_handles(value) == [h]
+
+
+def test_launch_rejects_bad_arguments(tmp_path):
+    program, _ = _echo_program(tmp_path)
+    with pytest.raises(ValueError, match="launch_type"):
+        lp.launch(program, launch_type="ray")
+    with pytest.raises(ValueError, match="none of these groups"):
+        lp.launch(program, run_dir=str(tmp_path), terminal_groups=("nope",))
+    with pytest.raises(ValueError, match="only service nodes"):
+        lp.launch(program, run_dir=str(tmp_path), terminal_groups=("echo",))
+
+    # Under local_mp a PyNode's handle can't be passed on; a lambda can't be pickled. Both fail
+    # before any process starts.
+    p2 = lp.Program("p2")
+    learner = p2.add_node(lp.PyNode(fx.make_forever))
+    p2.add_node(lp.PyNode(fx.make_asker, "x", fx.AskConfig(client=learner), {}))
+    with pytest.raises(ValueError, match="forever_0"):
+        lp.launch(p2, run_dir=str(tmp_path / "p2"))
+    p3 = lp.Program("p3")
+    p3.add_node(lp.PyNode(fx.make_sleeper, lambda: 1))
+    with pytest.raises(TypeError, match="pickled"):
+        lp.launch(p3, run_dir=str(tmp_path / "p3"))
+    with pytest.raises(RuntimeError, match="already launched"):
+        lp.launch(p3)
+
+
+# --------------------------------------------------------------------------- local_mt
+def test_local_mt_end_to_end(tmp_path):
+    program, forever = _echo_program(tmp_path)
+    with lp.launch(program, launch_type="local_mt", run_dir=str(tmp_path),
+                   terminal_groups=("asker",), notice_s=5) as launched:
+        worker = forever.dereference()          # the worker object itself: step it by hand
+        assert isinstance(worker, fx.Forever) and worker.step() == 1
+        assert launched.wait(timeout=30) is True
+    result = json.loads((tmp_path / "asker.json").read_text())
+    assert result["pid"] == os.getpid()
+    assert result["replies"] == ["hi:a", "hi:b"] and result["same_client_twice"]
+    assert result["raw_address"] == launched.addresses["raw"][0]
+    assert json.loads((tmp_path / "forever.json").read_text())["stopped"]   # cooperative stop
+    assert all(s == ["finished"] for s in launched.statuses.values()), launched.statuses
+    nodes = json.loads((tmp_path / "nodes.json").read_text())["nodes"]
+    assert {n["name"]: n["status"] for n in nodes}["forever_0"] == "finished"
+    assert all(n["thread"].startswith("toy/") for n in nodes)
+
+
+def test_local_mt_failure_carries_the_traceback(tmp_path):
+    program = lp.Program("bad")
+    program.add_node(lp.PyNode(fx.make_forever))
+    program.add_node(lp.PyNode(fx.make_failing, "boom-mt", 2, 0.1))
+    launched = lp.launch(program, launch_type="local_mt", run_dir=str(tmp_path), notice_s=5)
+    with pytest.raises(lp.NodeFailedError, match="failing_0") as info:
+        launched.wait(timeout=30)
+    assert "RuntimeError: boom-mt" in str(info.value) and info.value.node == "failing_0"
+    assert launched.statuses == {"forever": ["finished"], "failing": ["failed"]}
+
+
+def test_local_mt_service_that_never_listens(tmp_path):
+    program = lp.Program("silent")
+    program.add_node(lp.ServiceNode(fx.make_silent_server))
+    program.add_node(lp.PyNode(fx.make_sleeper))
+    with pytest.raises(lp.NodeFailedError, match="silent_server_0 did not accept TCP"):
+        lp.launch(program, launch_type="local_mt", run_dir=str(tmp_path), notice_s=5,
+                  service_timeout_s=0.5)
+
+
+# --------------------------------------------------------------------------- local_mp
+def test_local_mp_end_to_end(tmp_path):
+    program, forever = _echo_program(tmp_path)
+    t0 = time.monotonic()
+    launched = lp.launch(program, run_dir=str(tmp_path), env={"SAO_LAUNCH_TEST": "42"},
+                         terminal_groups=("asker", "evaluator"), notice_s=5)
+    with launched:
+        with pytest.raises(RuntimeError, match="local_mt"):
+            forever.dereference()
+        pids = _child_pids(launched)
+        assert len(pids) == 4 and os.getpid() not in pids
+        assert launched.wait(timeout=30) is True
+    elapsed = time.monotonic() - t0
+    result = json.loads((tmp_path / "asker.json").read_text())
+    # The handle was dereferenced in the asker's own process, into one client.
+    assert result["pid"] != os.getpid() and result["pid"] in pids
+    assert result["client_built_in_pid"] == result["pid"] and result["same_client_twice"]
+    assert result["client_type"] == "EchoClient" and result["replies"] == ["hi:a", "hi:b"]
+    assert result["raw_address"] == launched.addresses["raw"][0].__str__()
+    assert result["env"] == "42" and "SAO_LAUNCH_TEST" not in os.environ
+    assert json.loads((tmp_path / "forever.json").read_text())["stopped"]   # cooperative stop
+    assert launched.exitcodes == {"echo": [0], "raw": [0], "asker": [0], "forever": [0]}
+    assert not [p for p in pids if _alive(p)]
+    nodes = json.loads((tmp_path / "nodes.json").read_text())
+    assert nodes["launch_type"] == "local_mp"
+    by_name = {n["name"]: n for n in nodes["nodes"]}
+    assert sorted(by_name) == ["asker_0", "echo_0", "forever_0", "raw_0"]
+    assert all(n["status"] == "finished" for n in by_name.values())
+    assert by_name["echo_0"]["address"] == launched.addresses["echo"][0]
+    log = (tmp_path / "logs" / "asker_0.log").read_text()
+    assert "asker result" in log
+    assert elapsed < 20, elapsed
+
+
+def test_local_mp_failure_raises_with_log_tail_and_stops_the_rest(tmp_path):
+    program = lp.Program("bad")
+    program.add_node(lp.PyNode(fx.make_forever, str(tmp_path / "forever.json")))
+    program.add_node(lp.PyNode(fx.make_failing, "boom-mp", 50, 0.2))
+    launched = lp.launch(program, run_dir=str(tmp_path), notice_s=5)
+    pids = _child_pids(launched)
+    with pytest.raises(lp.NodeFailedError) as info:
+        launched.wait(timeout=30)
+    msg = str(info.value)
+    assert "failing_0" in msg and "exit code 1" in msg
+    assert "RuntimeError: boom-mp" in msg and "failing line 49" in msg
+    assert "failing line 0\n" not in msg and len(info.value.details.splitlines()) <= 41
+    assert json.loads((tmp_path / "forever.json").read_text())["stopped"]
+    assert launched.statuses == {"forever": ["finished"], "failing": ["failed"]}
+    assert not [p for p in pids if _alive(p)]
+    statuses = {n["name"]: n["status"]
+                for n in json.loads((tmp_path / "nodes.json").read_text())["nodes"]}
+    assert statuses == {"forever_0": "finished", "failing_0": "failed"}
+
+
+def test_local_mp_stop_ignoring_node_is_killed_after_notice(tmp_path):
+    program = lp.Program("stubborn")
+    program.add_node(lp.PyNode(fx.make_sleeper, 0.2))
+    program.add_node(lp.PyNode(fx.make_stubborn))
+    t0 = time.monotonic()
+    launched = lp.launch(program, run_dir=str(tmp_path), terminal_groups=("sleeper",),
+                         notice_s=0.5)
+    pids = _child_pids(launched)
+    assert launched.wait(timeout=30) is True
+    assert launched.statuses == {"sleeper": ["finished"], "stubborn": ["killed"]}
+    assert launched.exitcodes["stubborn"] == [-signal.SIGTERM]
+    assert not [p for p in pids if _alive(p)]
+    assert time.monotonic() - t0 < 10
+    assert "ignoring stop" in (tmp_path / "logs" / "stubborn_0.log").read_text()
+
+
+def test_local_mp_service_that_fails_to_start(tmp_path):
+    program = lp.Program("broken")
+    program.add_node(lp.ServiceNode(fx.make_broken_server))
+    program.add_node(lp.PyNode(fx.make_sleeper))
+    with pytest.raises(lp.NodeFailedError, match="broken_server_0 exited") as info:
+        lp.launch(program, run_dir=str(tmp_path), notice_s=2)
+    assert "broken on purpose" in str(info.value)
+    nodes = json.loads((tmp_path / "nodes.json").read_text())["nodes"]
+    assert {n["name"]: n["status"] for n in nodes} == {"broken_server_0": "failed",
+                                                      "sleeper_0": "finished"}
+    assert nodes[1]["pid"] is None           # PyNodes never started
+
+
+def test_local_mp_keyboard_interrupt_in_wait_stops_children(tmp_path):
+    program = lp.Program("ctrlc")
+    program.add_node(lp.PyNode(fx.make_forever, str(tmp_path / "forever.json")))
+    launched = lp.launch(program, run_dir=str(tmp_path), notice_s=5)
+    pids = _child_pids(launched)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        launched.wait(timeout=30)
+    assert launched.stopped and not [p for p in pids if _alive(p)]
+    assert json.loads((tmp_path / "forever.json").read_text())["stopped"]
+
+
+def test_local_mp_children_exit_when_the_launcher_dies(tmp_path):
+    script = (
+        "import sys, time\n"
+        f"sys.path[:0] = [{REPO!r}, {os.path.join(REPO, 'tests')!r}]\n"
+        "from sao_actor_learner import launch as lp\n"
+        "import launch_fixtures as fx\n"
+        "p = lp.Program('orphan')\n"
+        f"p.add_node(lp.PyNode(fx.make_forever, {str(tmp_path / 'forever.json')!r}))\n"
+        f"lp.launch(p, run_dir={str(tmp_path)!r}, notice_s=1)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        child = json.loads((tmp_path / "nodes.json").read_text())["nodes"][0]["pid"]
+        assert _alive(child)
+        parent.kill()                        # no finally, no atexit: the child must notice
+        parent.wait(5)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+        assert json.loads((tmp_path / "forever.json").read_text())["stopped"]
+    finally:
+        if parent.poll() is None:
+            parent.kill()

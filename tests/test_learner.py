@@ -1,0 +1,130 @@
+"""The SAO learner's update on a real (tiny, locally built) Hugging Face model."""
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from sao_actor_learner.config import SAOConfig
+from sao_actor_learner.learner.sao import SAOLearner
+from sao_actor_learner.models.value import ValueModel
+from sao_actor_learner.types import Rollout, collate
+
+V = 16
+
+
+def tiny_policy(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def make_learner(**overrides):
+    config = SAOConfig(batch_size=4, max_steps=5, **overrides)
+    policy = tiny_policy()
+    critic = ValueModel.from_policy(policy)
+    critic.freeze(config.critic_frozen_patterns)
+    return SAOLearner(config, policy, critic)
+
+
+def on_policy_rollouts(learner, n=4, seed=0, version=0):
+    """Rollouts whose rollout_logp is exactly the current policy's: ratios are 1."""
+    rng = np.random.default_rng(seed)
+    rollouts = []
+    for i in range(n):
+        prompt = list(rng.integers(1, V, size=3))
+        action = list(rng.integers(1, V, size=int(rng.integers(2, 6))))
+        tokens = prompt + action
+        mask = [0] * 3 + [1] * len(action)
+        rewards = [0.0] * (len(tokens) - 1) + [float(rng.integers(0, 2))]
+        rollouts.append(Rollout(tokens=tokens, action_mask=mask, rollout_logp=np.zeros(len(tokens)),
+                                versions=[-1] * 3 + [version] * len(action), rewards=rewards,
+                                prompt_id=i))
+    batch = collate(rollouts)
+    with torch.no_grad():
+        logp = learner.policy_logprobs(batch)
+    for i, r in enumerate(rollouts):
+        r.rollout_logp = (logp[i, :r.length].numpy() * r.action_mask).astype(np.float32)
+    return rollouts
+
+
+def test_on_policy_update_masks_nothing_and_trains_only_unfrozen_critic_params():
+    learner = make_learner()
+    rollouts = on_policy_rollouts(learner)
+    batch = collate(rollouts)
+    critic_before = {k: v.clone() for k, v in learner.critic.state_dict().items()}
+    policy_before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
+    stats = learner.update(batch)
+    assert stats["masked_frac"] == 0.0
+    assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert stats["kl_rollout"] == pytest.approx(0.0, abs=1e-6)
+    after = learner.critic.state_dict()
+    for name, before in critic_before.items():
+        changed = not torch.equal(before, after[name])
+        frozen = any(p in name for p in ("self_attn", "embed_tokens", "norm"))
+        if frozen:
+            assert not changed, f"frozen critic parameter {name} changed"
+    assert not torch.equal(critic_before["body.layers.0.mlp.up_proj.weight"],
+                           after["body.layers.0.mlp.up_proj.weight"])
+    assert not torch.equal(critic_before["head.weight"], after["head.weight"])
+    changed_policy = [k for k, v in learner.policy.state_dict().items()
+                      if not torch.equal(v, policy_before[k])]
+    assert any("self_attn" in k for k in changed_policy)  # the policy trains everything
+
+
+def test_k_critic_updates_take_k_optimizer_steps():
+    for k in (1, 3):
+        learner = make_learner(critic_updates=k)
+        learner.update(collate(on_policy_rollouts(learner)))
+        state = learner.critic_opt.state_dict()["state"]
+        assert all(int(s["step"]) == k for s in state.values())
+
+
+def test_critic_warmup_step_leaves_policy_unchanged():
+    learner = make_learner()
+    before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
+    stats = learner.update(collate(on_policy_rollouts(learner)), train_policy=False)
+    assert all(torch.equal(v, before[k]) for k, v in learner.policy.state_dict().items())
+    assert "policy_loss" not in stats and "value_loss" in stats
+
+
+def test_off_band_tokens_are_dropped_from_gradient():
+    learner = make_learner(eps_low=0.3, eps_high=0.3, normalize_advantages=False)
+    rollouts = on_policy_rollouts(learner)
+    # Make every rollout look very stale: its sampling probabilities were much higher.
+    for r in rollouts:
+        r.rollout_logp = np.where(r.action_mask == 1, r.rollout_logp + 2.0, 0).astype(np.float32)
+    stats = learner.update(collate(rollouts))
+    assert stats["masked_below_frac"] == 1.0
+    assert stats["policy_grad_norm"] == 0.0
+
+
+class ListReader:
+    """An in-memory stand-in for RolloutReader, to test the learner's staleness filter alone."""
+
+    def __init__(self, rollouts):
+        self.rollouts = list(rollouts)
+
+    def sample(self, n, timeout_s):
+        out, self.rollouts = self.rollouts[:n], self.rollouts[n:]
+        return out
+
+    def queue_size(self):
+        return len(self.rollouts)
+
+
+def test_stale_rollouts_are_dropped_and_counted():
+    learner = make_learner(max_staleness=1)
+    learner.version = 5
+    fresh = on_policy_rollouts(learner, n=4, version=4)
+    stale = on_policy_rollouts(learner, n=3, version=3, seed=1)
+    learner._reader = ListReader(stale[:2] + fresh[:2] + stale[2:] + fresh[2:])
+    got, _, dropped = learner.sample_fresh(4)
+    assert dropped == 3 and learner.dropped_stale == 3
+    assert all(r.staleness(5) <= 1 for r in got) and len(got) == 4
+
+
+def test_freeze_rejects_unknown_pattern():
+    critic = ValueModel.from_policy(tiny_policy())
+    with pytest.raises(ValueError, match="match no critic parameter"):
+        critic.freeze(("attention_typo",))
