@@ -37,9 +37,9 @@ from sao_actor_learner.tasks.arithmetic import has_carry  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_string("task", "arithmetic", "Task to warm-start on.")
 flags.DEFINE_string("out_dir", "checkpoints/warm_start", "Checkpoint folder to write.")
-flags.DEFINE_integer("steps", 1200, "Optimiser steps.")
+flags.DEFINE_integer("steps", 2000, "Optimiser steps.")
 flags.DEFINE_integer("batch_size", 64, "Demonstrations per step.")
-flags.DEFINE_float("lr", 3e-3, "Peak AdamW learning rate (linear warm-up, cosine decay).")
+flags.DEFINE_float("lr", 1e-3, "Peak AdamW learning rate (linear warm-up, cosine decay).")
 flags.DEFINE_integer("warmup_steps", 50, "Linear learning-rate warm-up steps.")
 flags.DEFINE_integer("seed", 0, "Seed for the model, the task split and the data.")
 flags.DEFINE_enum("model_kind", "llama", ["llama", "qwen3_moe"], "Model family.")

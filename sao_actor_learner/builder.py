@@ -52,9 +52,11 @@ def make_variable_server(config: SAOConfig, publisher_token: str, port: int = 0)
                           publisher_token=publisher_token)
 
 
-def make_task(config: SAOConfig):
+def make_task(config: SAOConfig, actor_id: int = 0):
+    """The task; actors get disjoint prompt ids (offset = actor id, stride = number of actors)."""
     from sao_actor_learner.tasks import make_task as _make_task
-    return _make_task(config.task, seed=config.seed)
+    return _make_task(config.task, seed=config.seed, num_eval=config.eval_size,
+                      prompt_id_offset=actor_id, prompt_id_stride=config.num_actors)
 
 
 def make_engine(config: SAOConfig):
@@ -112,15 +114,15 @@ def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_
     from sao_actor_learner.variables import VariableClient
 
     engine = make_engine(config)
-    task = make_task(config)
+    task = make_task(config, actor_id)
     run_dir = run_dir or config.run_dir
     return Actor(
         actor_id, task, engine,
         variables=VariableClient(variables_address, config.variable_update_period_s),
         writer=RolloutWriter(replay_address, max_sequence_length=config.max_sequence_length,
-                             vocab_size=engine.vocab_size),
+                             vocab_size=engine.tokenizer.vocab_size),
         decode=ckpt.bytes_to_state_dict,
-        params=sampling_params(config, eos_id=engine.eos_token_id),
+        params=sampling_params(config, eos_id=engine.tokenizer.eos_id),
         actor_batch=config.actor_batch, admission_control=config.admission_control,
         seed=config.seed, max_total_tokens=config.max_sequence_length,
         stats_path=os.path.join(run_dir, f"actor_{actor_id}_stats.json"))
@@ -137,7 +139,7 @@ def make_evaluator(config: SAOConfig, variables_address: str, run_dir: Optional[
     return Evaluator(make_task(config), engine,
                      variables=VariableClient(variables_address, config.variable_update_period_s),
                      decode=ckpt.bytes_to_state_dict,
-                     params=sampling_params(config, greedy=True, eos_id=engine.eos_token_id),
+                     params=sampling_params(config, greedy=True, eos_id=engine.tokenizer.eos_id),
                      eval_every=config.eval_every, max_steps=config.max_steps,
                      logger=MetricsLogger(run_dir or config.run_dir, "evaluator"))
 

@@ -11,10 +11,10 @@ the decimal sum exactly (reward 1.0, else 0.0). A completion with no <eos> is ju
 tokens (a truncated "82" still counts; "825" does not).
 
 `demonstration(a, b, rng)` is the SFT teacher, imperfect on purpose: with probability
-`carry_noise` it forgets every carry between columns (37+45 -> "72"; the leftmost column is still
-written in full, 95+17 -> "102"), the classic schoolchild slip. Problems without carries are
-always right. A model trained on it answers carry problems correctly only part of the time,
-so RL has a skill to sharpen.
+`carry_noise` it forgets every carry and writes each column's digit sum mod 10 (37+45 -> "72",
+95+17 -> "2", from "02"), the classic schoolchild slip. Problems without carries (about a quarter
+of the 2-digit pairs) are always right. A model trained on it answers carry problems correctly
+only part of the time, so RL has a skill to sharpen: see programs/sft.py for the numbers.
 """
 from __future__ import annotations
 
