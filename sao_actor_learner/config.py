@@ -31,7 +31,7 @@ class SAOConfig:
     launch: str = "local_mp"
     num_actors: int = 2
     init_checkpoint: str = "checkpoints/warm_start"
-    max_steps: int = 60
+    max_steps: int = 100
     threads_per_process: int = 1          # torch.set_num_threads in every node
     engine: str = "torch"
 
@@ -54,8 +54,8 @@ class SAOConfig:
     eps_low: float = 0.3
     eps_high: float = 5.0
     loss_normalization: str = "action_tokens"   # (ours); "kept_tokens" normalises by kept tokens
-    policy_lr: float = 3e-4
-    critic_lr: float = 1.5e-3                     # ~5x the policy lr, as the public ports do
+    policy_lr: float = 5e-5
+    critic_lr: float = 2.5e-4                     # 5x the policy lr, as the public ports do
     critic_updates: int = 2                       # K critic steps per policy step
     critic_frozen_patterns: Tuple[str, ...] = ("self_attn", "embed_tokens", "norm")
     critic_warmup_steps: int = 0                  # first steps update only the critic

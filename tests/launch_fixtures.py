@@ -102,7 +102,8 @@ def make_asker(out_path: str, config: AskConfig, clients: dict, delay_s: float =
 
 
 class Forever(Worker):
-    """Runs until stop(); then writes a marker file so a test sees the stop was cooperative."""
+    """Runs until stop(). Its marker file says {"stopped": false} once run() has started and
+    {"stopped": true} after a cooperative stop."""
 
     def __init__(self, marker_path: Optional[str]) -> None:
         self.marker_path = marker_path
@@ -115,6 +116,8 @@ class Forever(Worker):
         return self.steps
 
     def run(self) -> None:
+        if self.marker_path:
+            _write_json(self.marker_path, {"pid": os.getpid(), "stopped": False})
         while not self._stop.wait(0.02):
             pass
         if self.marker_path:
@@ -167,6 +170,17 @@ def make_silent_server(port: int) -> Forever:
 
 def make_broken_server(port: int) -> EchoServer:
     raise ValueError(f"cannot serve on {port}: broken on purpose")
+
+
+def wait_for_json(path: str, timeout: float = 20.0) -> dict:
+    """The JSON in `path` once it exists."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.02)
+    with open(path) as f:
+        return json.load(f)
 
 
 def _write_json(path: str, data: dict) -> None:

@@ -144,6 +144,7 @@ def test_local_mt_end_to_end(tmp_path):
                    terminal_groups=("asker",), notice_s=5) as launched:
         worker = forever.dereference()          # the worker object itself: step it by hand
         assert isinstance(worker, fx.Forever) and worker.step() == 1
+        fx.wait_for_json(str(tmp_path / "forever.json"))     # its run() has started
         assert launched.wait(timeout=30) is True
     result = json.loads((tmp_path / "asker.json").read_text())
     assert result["pid"] == os.getpid()
@@ -187,6 +188,7 @@ def test_local_mp_end_to_end(tmp_path):
             forever.dereference()
         pids = _child_pids(launched)
         assert len(pids) == 4 and os.getpid() not in pids
+        fx.wait_for_json(str(tmp_path / "forever.json"))     # its run() has started
         assert launched.wait(timeout=30) is True
     elapsed = time.monotonic() - t0
     result = json.loads((tmp_path / "asker.json").read_text())
@@ -216,6 +218,7 @@ def test_local_mp_failure_raises_with_log_tail_and_stops_the_rest(tmp_path):
     program.add_node(lp.PyNode(fx.make_failing, "boom-mp", 50, 0.2))
     launched = lp.launch(program, run_dir=str(tmp_path), notice_s=5)
     pids = _child_pids(launched)
+    fx.wait_for_json(str(tmp_path / "forever.json"))
     with pytest.raises(lp.NodeFailedError) as info:
         launched.wait(timeout=30)
     msg = str(info.value)
@@ -255,7 +258,7 @@ def test_local_mp_service_that_fails_to_start(tmp_path):
     assert "broken on purpose" in str(info.value)
     nodes = json.loads((tmp_path / "nodes.json").read_text())["nodes"]
     assert {n["name"]: n["status"] for n in nodes} == {"broken_server_0": "failed",
-                                                      "sleeper_0": "finished"}
+                                                      "sleeper_0": "not_started"}
     assert nodes[1]["pid"] is None           # PyNodes never started
 
 
@@ -264,11 +267,37 @@ def test_local_mp_keyboard_interrupt_in_wait_stops_children(tmp_path):
     program.add_node(lp.PyNode(fx.make_forever, str(tmp_path / "forever.json")))
     launched = lp.launch(program, run_dir=str(tmp_path), notice_s=5)
     pids = _child_pids(launched)
-    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    fx.wait_for_json(str(tmp_path / "forever.json"))
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
     with pytest.raises(KeyboardInterrupt):
         launched.wait(timeout=30)
     assert launched.stopped and not [p for p in pids if _alive(p)]
     assert json.loads((tmp_path / "forever.json").read_text())["stopped"]
+
+
+def test_local_mp_second_interrupt_during_stop_kills_at_once(tmp_path):
+    program = lp.Program("ctrlc2")
+    program.add_node(lp.PyNode(fx.make_sleeper, 0.1))
+    program.add_node(lp.PyNode(fx.make_stubborn))
+    launched = lp.launch(program, run_dir=str(tmp_path), terminal_groups=("sleeper",),
+                         notice_s=20)
+    pids = _child_pids(launched)
+    log = tmp_path / "logs" / "stubborn_0.log"
+
+    def interrupt_once_stopping() -> None:     # the stop's notice period has begun
+        deadline = time.monotonic() + 20
+        while "ignoring stop" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_stopping, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        launched.wait(timeout=30)
+    assert time.monotonic() - t0 < 10                      # not the 20 s notice
+    assert launched.statuses == {"sleeper": ["finished"], "stubborn": ["killed"]}
+    assert launched.exitcodes["stubborn"] == [-signal.SIGKILL]
+    assert not [p for p in pids if _alive(p)]
 
 
 def test_local_mp_children_exit_when_the_launcher_dies(tmp_path):
@@ -280,6 +309,7 @@ def test_local_mp_children_exit_when_the_launcher_dies(tmp_path):
         "p = lp.Program('orphan')\n"
         f"p.add_node(lp.PyNode(fx.make_forever, {str(tmp_path / 'forever.json')!r}))\n"
         f"lp.launch(p, run_dir={str(tmp_path)!r}, notice_s=1)\n"
+        f"fx.wait_for_json({str(tmp_path / 'forever.json')!r})\n"
         "print('ready', flush=True)\n"
         "time.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

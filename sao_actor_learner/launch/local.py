@@ -22,7 +22,7 @@ still running at exit, and each node process stops itself when its parent proces
 log) and is rewritten whenever a status changes. Statuses: pending, running, finished (its
 worker's run() returned), failed (an exception or a non-zero exit code), killed (terminated by
 the launcher after the notice period), unresponsive (a thread that ignored stop; left behind
-as a daemon thread).
+as a daemon thread), not_started (launch failed before reaching it).
 
 Pure standard library.
 """
@@ -90,6 +90,7 @@ class _Record:
         self.process: Any = None              # multiprocessing process (local_mp)
         self.thread: Optional[threading.Thread] = None
         self.control: Optional[_WorkerControl] = None
+        self.stop_conn: Any = None            # write end of the node's stop pipe (local_mp)
 
     @property
     def name(self) -> str:
@@ -97,7 +98,7 @@ class _Record:
 
     @property
     def done(self) -> bool:
-        return self.status not in ("pending", "running")
+        return self.status not in ("pending", "running", "not_started")
 
     def info(self) -> dict:
         return {"name": self.name, "label": self.node.label, "index": self.node.index,
@@ -135,7 +136,7 @@ class Launched:
         self.service_timeout_s = float(service_timeout_s)
         self._env = {str(k): str(v) for k, v in env.items()}
         self._cond = threading.Condition()
-        self._stop_lock = threading.Lock()
+        self._stop_lock = threading.RLock()
         self._stop_requested = False
         self._stopped = False
         self._records: List[_Record] = [
@@ -224,17 +225,22 @@ class Launched:
         return from run() before leftover processes are terminated (threads abandoned).
 
         Idempotent and safe to call from any thread; never raises for nodes' failures (see
-        `wait()` and `statuses`)."""
+        `wait()` and `statuses`). If it is interrupted itself (a second Ctrl-C), it kills the
+        remaining processes at once."""
         with self._stop_lock:
-            if self._stopped:
-                return
+            if self._stopped or self._stop_requested:
+                return   # done, or re-entered from an exception raised while stopping
             self._stop_requested = True
+            completed = False
             try:
                 for kind in ("py", "service"):
                     records = [r for r in self._records if r.kind == kind]
                     if records:
                         self._stop_records(kind, records)
+                completed = True
             finally:
+                if not completed:   # interrupted (a second Ctrl-C): no more notice
+                    self._kill_all()
                 self._finish_stop()
                 self._stopped = True
                 with _LIVE_LOCK:
@@ -384,6 +390,9 @@ class Launched:
     def _finish_stop(self) -> None:
         """Cleanup after every node stopped."""
 
+    def _kill_all(self) -> None:
+        """Kills whatever still runs, at once (processes only)."""
+
     def _details(self, r: _Record) -> str:
         raise NotImplementedError
 
@@ -428,7 +437,7 @@ class _ThreadLaunched(Launched):
                 r.control.request_stop()
         deadline = time.monotonic() + self.notice_s
         for r in records:
-            if r.thread is not None:
+            if r.thread is not None and r.thread is not threading.current_thread():
                 r.thread.join(max(0.0, deadline - time.monotonic()))
         with self._cond:
             for r in records:
@@ -438,7 +447,7 @@ class _ThreadLaunched(Launched):
                                     "of stop(); left behind as a daemon thread",
                                     r.name, self.notice_s)
                 elif r.thread is None and r.status == "pending":
-                    r.status = "finished"     # never started (launch failed before it)
+                    r.status = "not_started"  # launch failed before it
 
     def _details(self, r: _Record) -> str:
         return r.error or "(no traceback)"
@@ -453,7 +462,6 @@ class _ProcessLaunched(Launched):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._ctx = multiprocessing.get_context("spawn")
-        self._events = {"py": self._ctx.Event(), "service": self._ctx.Event()}
         self._reap_lock = threading.Lock()
         self._payloads: Dict[str, bytes] = {}
         self._monitor: Optional[threading.Thread] = None
@@ -490,10 +498,14 @@ class _ProcessLaunched(Launched):
         port = _port(r.node.handle) if r.kind == "service" else None
         with open(r.log_path, "w") as f:
             f.write(f"[launch] {self.program.name}/{r.name}: starting ({time.ctime()})\n")
+        # The stop channel: the launcher sends b"stop" to stop the node; the node reads EOF
+        # when the launcher dies. (Not a multiprocessing.Event: its set() blocks forever once
+        # a process that waited on it has exited.)
+        reader, writer = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(
             target=_process_main, name=f"{self.program.name}/{r.name}",
-            args=(self._payloads[r.name], r.name, port, r.log_path,
-                  self._events[r.kind], self.notice_s, self._env))
+            args=(self._payloads[r.name], r.name, port, r.log_path, reader, self.notice_s,
+                  self._env))
         with _ENV_LOCK:
             # The child inherits this environment when its interpreter starts: the variables
             # are in place before it imports anything (OMP_NUM_THREADS before torch).
@@ -502,6 +514,7 @@ class _ProcessLaunched(Launched):
             try:
                 proc.start()
             finally:
+                reader.close()
                 for k, v in saved.items():
                     if v is None:
                         os.environ.pop(k, None)
@@ -509,6 +522,7 @@ class _ProcessLaunched(Launched):
                         os.environ[k] = v
         with self._cond:
             r.process = proc
+            r.stop_conn = writer
             r.pid = proc.pid
             r.status = "running"
 
@@ -535,7 +549,12 @@ class _ProcessLaunched(Launched):
                 self._poll(r)
 
     def _stop_records(self, kind: str, records: List[_Record]) -> None:
-        self._events[kind].set()
+        for r in records:
+            if r.stop_conn is not None and not r.done:
+                try:
+                    r.stop_conn.send_bytes(b"stop")
+                except OSError:  # it has exited already
+                    pass
         self._wait_exit(records, self.notice_s)
         left = [r for r in records if r.process is not None and not r.done]
         for r in left:
@@ -551,7 +570,7 @@ class _ProcessLaunched(Launched):
         with self._cond:
             for r in records:
                 if r.process is None and r.status == "pending":
-                    r.status = "finished"     # never started (launch failed before it)
+                    r.status = "not_started"  # launch failed before it
 
     def _wait_exit(self, records: List[_Record], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -568,14 +587,31 @@ class _ProcessLaunched(Launched):
             except (OSError, ValueError):
                 time.sleep(_POLL_S)
 
+    def _kill_all(self) -> None:
+        live = [r for r in self._records if r.process is not None and not r.done]
+        for r in live:
+            r.killed = True
+            _signal(r.process, signal.SIGKILL)
+        self._wait_exit(live, 2.0)
+
     def _finish_stop(self) -> None:
         self._monitor_stop.set()
         for r in self._records:
             self._poll(r)
+            if r.stop_conn is not None:
+                r.stop_conn.close()
+                r.stop_conn = None
 
     def _details(self, r: _Record) -> str:
         tail = _tail(r.log_path, LOG_TAIL_LINES) if r.log_path else ""
-        return f"pid {r.pid}; last {LOG_TAIL_LINES} lines of {r.log_path}:\n{tail}"
+        details = f"pid {r.pid}; last {LOG_TAIL_LINES} lines of {r.log_path}:\n{tail}"
+        if f"[launch] {r.name}: pid" not in _tail(r.log_path, 10**6):
+            details += (
+                "\n(the process died before the node's code started: while multiprocessing's "
+                "spawn re-imported the main module or unpickled the arguments; that traceback "
+                "went to the launcher's stderr. A script that launches must guard its code with "
+                "`if __name__ == '__main__':`.)")
+        return details
 
 
 # ---------------------------------------------------------------------------------- launch
@@ -686,7 +722,7 @@ def _build_and_run(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict,
 
 
 def _process_main(payload: bytes, name: str, port: Optional[int], log_path: str,
-                  stop_event: Any, notice_s: float, env: Mapping[str, str]) -> None:
+                  stop_conn: Any, notice_s: float, env: Mapping[str, str]) -> None:
     """Entry point of a node's process (spawned)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C is the launcher's to handle
     _redirect_output(log_path)
@@ -694,28 +730,24 @@ def _process_main(payload: bytes, name: str, port: Optional[int], log_path: str,
     print(f"[launch] {name}: pid {os.getpid()}, launcher pid {os.getppid()}", flush=True)
     control = _WorkerControl(name)
 
-    def watch_stop() -> None:
-        stop_event.wait()
-        print(f"[launch] {name}: stop requested", flush=True)
-        control.request_stop()
-
-    def watch_parent() -> None:
-        parent = multiprocessing.parent_process()
-        if parent is not None:
-            parent.join()
-        else:  # pragma: no cover - spawn children always know their parent
-            ppid = os.getppid()
-            while os.getppid() == ppid:
-                time.sleep(0.5)
-        print(f"[launch] {name}: launcher died; stopping", flush=True)
+    def watch_launcher() -> None:
+        """b"stop" asks the worker to stop; EOF means the launcher died: stop, then exit."""
+        while True:
+            try:
+                stop_conn.recv_bytes()
+            except (EOFError, OSError):
+                break
+            print(f"[launch] {name}: stop requested", flush=True)
+            control.request_stop()
+        print(f"[launch] {name}: the launcher is gone; stopping", flush=True)
         control.request_stop()
         time.sleep(notice_s)
-        print(f"[launch] {name}: still running {notice_s:g} s after stop; exiting", flush=True)
+        print(f"[launch] {name}: still running {notice_s:g} s after the launcher died; exiting",
+              flush=True)
         _flush()
         os._exit(1)
 
-    threading.Thread(target=watch_stop, daemon=True, name="launch-stop-watcher").start()
-    threading.Thread(target=watch_parent, daemon=True, name="launch-parent-watcher").start()
+    threading.Thread(target=watch_launcher, daemon=True, name="launch-watcher").start()
     code = 0
     try:
         fn, args, kwargs = pickle.loads(payload)
