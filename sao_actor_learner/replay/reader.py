@@ -1,0 +1,214 @@
+"""Samples rollouts from the replay table, with a timeout Reverb's client lacks.
+
+`reverb.Client.sample` (and the sampler under it) has no timeout: it blocks forever on an empty
+table. And a sampler left running prefetches: items leave the table (and free rate-limiter slots
+for the actors) before the learner asked for them. So the reader only asks Reverb for items the
+table already holds: `sample` polls the table size (one `ServerInfo` round trip, ~0.1-0.2 ms;
+every 1 ms, backing off to 10 ms, while it is empty) until it is non-empty, then a
+background thread fetches exactly min(wanted, available) items with one Reverb sampler, which
+therefore does not block. Should another consumer take those items first, the fetch blocks in the
+background thread, never in `sample`: `sample` returns what it has when `timeout_s` passes, and
+items that arrive later wait in the reader's buffer for the next call (`buffered`).
+
+Measured here (2 shared cores, server in another process, ~2k-token items): `sample(32)` ~8-12k
+rollouts/s, decoded; a bare Reverb sampler streaming undecoded items ~16-20k/s; `client.sample`
+(one item per request) ~6k/s. Most of the time is the transfer of the items themselves.
+
+Decoded rollouts have the exact dtypes of types.py; per-token columns are cut back from the
+writer's padding to the `length` column (views into the sampled arrays, not copies).
+
+`queue_size()` raises TimeoutError when the server does not answer within 1 s; `sample` treats an
+unreachable server as an empty table: it logs and returns [] (after at least 1 s, the shortest
+`ServerInfo` timeout).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Deque, List, Optional, Sequence, Union
+
+import numpy as np
+from absl import logging
+
+from sao_actor_learner.replay.tables import (DEFAULT_TABLE, FLAT_COLUMN_ORDER, LENGTH_COLUMN,
+                                             connect, table_status)
+from sao_actor_learner.types import SCALAR_COLUMNS, TOKEN_COLUMNS, Rollout
+
+# Reverb's sampler returns (key, probability, table_size, priority, times_sampled) before the data.
+_NUM_INFO_TENSORS = 5
+_POLL_START_S = 0.001
+_POLL_MAX_S = 0.01
+
+
+def decode_item(flat: Sequence[np.ndarray]) -> Rollout:
+    """A `Rollout` from one sampled item's flat columns (FLAT_COLUMN_ORDER)."""
+    if len(flat) != len(FLAT_COLUMN_ORDER):
+        raise ValueError(f"replay item has {len(flat)} columns, expected {len(FLAT_COLUMN_ORDER)} "
+                         f"({', '.join(FLAT_COLUMN_ORDER)}): was it written by RolloutWriter?")
+    cols = dict(zip(FLAT_COLUMN_ORDER, flat))
+    length = int(cols[LENGTH_COLUMN])
+    kwargs = {name: cols[name][:length] for name in TOKEN_COLUMNS}
+    for name in SCALAR_COLUMNS:
+        kwargs[name] = cols[name].item()
+    return Rollout(**kwargs)
+
+
+class RolloutReader:
+    """Samples rollouts in FIFO order, each once, never blocking past its timeout.
+
+    Call `sample` from one thread (the learner's); one reader per consumer.
+
+    Args:
+      client_or_address: a `reverb.Client` or the replay address "host:port" (works from any
+        process).
+      table: the table name.
+    """
+
+    def __init__(self, client_or_address: Union[str, Any], table: str = DEFAULT_TABLE):
+        self._client = connect(client_or_address)
+        self._table = table
+        self._buffer: Deque[Rollout] = collections.deque()
+        self._cond = threading.Condition()
+        self._request = 0          # items the fetch thread is asked for / still fetching
+        self._error: Optional[BaseException] = None
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+        self.sampled = 0           # rollouts returned by sample()
+
+    @property
+    def buffered(self) -> int:
+        """Rollouts already taken from the table and waiting for the next `sample`."""
+        return len(self._buffer)
+
+    def queue_size(self) -> int:
+        """Rollouts currently in the table (not counting `buffered`)."""
+        return table_status(self._client, self._table)[0]
+
+    def sample(self, n: int, timeout_s: float, min_items: int = 1) -> List[Rollout]:
+        """Up to `n` rollouts, oldest first.
+
+        Returns as soon as `min(min_items, n)` are here (by default: as soon as there is one, with
+        all the table holds up to n), or when `timeout_s` passes with fewer (maybe none).
+        """
+        if n < 0:
+            raise ValueError(f"n={n}: must be >= 0")
+        if self._closed:
+            raise RuntimeError("RolloutReader.sample() after close()")
+        if n == 0:
+            return []
+        want = max(1, min(int(min_items), n))
+        deadline = time.monotonic() + max(0.0, float(timeout_s))
+        delay = _POLL_START_S
+        own_fetch = False  # a fetch this call submitted: it asks only for items in the table
+        while True:
+            with self._cond:
+                self._raise_fetch_error()
+                have, busy = len(self._buffer), self._request > 0
+            # Done with n, or with enough once our own fetch (fast: its items exist) is complete;
+            # a fetch left blocked by an earlier call is not waited for.
+            if have >= n or (have >= want and not (busy and own_fetch)):
+                break
+            if not busy:
+                k = min(n - have, self._available())
+                if k > 0:
+                    self._submit(k)
+                    own_fetch = busy = True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            with self._cond:
+                if busy:
+                    if self._request > 0:  # checked under the lock: the end-of-fetch notify
+                        self._cond.wait(timeout=remaining)  # cannot slip in before the wait
+                else:
+                    self._cond.wait(timeout=min(delay, remaining))
+                    delay = min(2 * delay, _POLL_MAX_S)
+        with self._cond:
+            self._raise_fetch_error()
+            out = [self._buffer.popleft() for _ in range(min(n, len(self._buffer)))]
+        self.sampled += len(out)
+        return out
+
+    def _available(self) -> int:
+        try:
+            return table_status(self._client, self._table)[0]
+        except KeyError:
+            raise
+        except Exception as e:  # unreachable or restarting server: report empty, retry
+            logging.log_every_n(logging.WARNING, "RolloutReader: replay at %s unreachable: %s",
+                                100, self._client.server_address, e)
+            return 0
+
+    def _submit(self, k: int) -> None:
+        with self._cond:
+            self._request = k
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._fetch_loop, daemon=True,
+                                                name=f"RolloutReader[{self._table}]")
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _raise_fetch_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"RolloutReader: sampling table {self._table!r} at "
+                               f"{self._client.server_address} failed: {error}") from error
+
+    def _fetch_loop(self) -> None:
+        """The fetch thread: takes `self._request` items from the table into the buffer."""
+        while True:
+            with self._cond:
+                while self._request == 0 and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                k = self._request
+            try:
+                # A sampler for exactly k items, all in one request (buffer size k). The pybind
+                # sampler is what `Client.sample` wraps; used directly to fetch k items per
+                # round trip instead of one.
+                raw_client = self._client._client  # pylint: disable=protected-access
+                sampler = raw_client.NewSampler(self._table, k, k)
+                for _ in range(k):
+                    rollout = decode_item(sampler.GetNextTrajectory()[_NUM_INFO_TENSORS:])
+                    with self._cond:
+                        if self._closed:
+                            logging.warning("RolloutReader: dropped a rollout that arrived after "
+                                            "close()")
+                        else:
+                            self._buffer.append(rollout)
+                del sampler
+            except Exception as e:  # handed to the caller by the next sample()
+                with self._cond:
+                    self._error = e
+            finally:
+                with self._cond:
+                    self._request = 0
+                    self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stops the fetch thread. Buffered rollouts (taken from the table) are dropped."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            dropped, busy = len(self._buffer), self._request > 0
+            self._buffer.clear()
+            self._cond.notify_all()
+        if dropped:
+            logging.warning("RolloutReader: close() dropped %d buffered rollouts", dropped)
+        if busy:
+            logging.warning("RolloutReader: close() while a fetch waits in Reverb (another "
+                            "consumer took its items); its thread is left to finish as a daemon")
+        elif self._thread is not None:
+            self._thread.join(timeout=1.0)
+
+    def __enter__(self) -> "RolloutReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RolloutReader(table={self._table!r}, sampled={self.sampled})"

@@ -1,0 +1,279 @@
+"""The replay table and the Reverb server that hosts it (SAO.md section 6).
+
+The table is a bounded FIFO queue of rollouts: every rollout is sampled exactly once, in insertion
+order, and the rate limiter blocks inserts while `queue_capacity` rollouts wait. That bound is one
+of the three places the staleness limit is enforced: an actor cannot run further ahead of the
+learner than the queue allows.
+
+An item is one rollout. Its columns are the `Rollout` columns (types.TOKEN_COLUMNS and
+types.SCALAR_COLUMNS, with their exact dtypes) plus `length`, the true number of tokens: the writer
+pads the per-token columns to a length bucket (see writer.py for why), the reader cuts them back.
+
+Reverb imports TensorFlow (~2.6 s, ~450 MB): this module imports it only inside the functions that
+need it, so `import sao_actor_learner.replay` stays cheap.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Dict, Optional, Tuple, Union
+
+import numpy as np
+from absl import logging
+
+from sao_actor_learner import core
+from sao_actor_learner.types import SCALAR_COLUMNS, SCALAR_DTYPES, TOKEN_COLUMNS, TOKEN_DTYPES
+
+DEFAULT_TABLE = "rollouts"
+
+# The extra column holding the unpadded length of the per-token columns.
+LENGTH_COLUMN = "length"
+LENGTH_DTYPE = np.int32
+
+# Every column of an item and its dtype.
+ITEM_COLUMNS: Tuple[str, ...] = TOKEN_COLUMNS + SCALAR_COLUMNS + (LENGTH_COLUMN,)
+ITEM_DTYPES: Dict[str, Any] = {**TOKEN_DTYPES, **SCALAR_DTYPES, LENGTH_COLUMN: LENGTH_DTYPE}
+
+# The order in which a sampled item's columns come back: Reverb flattens the item's structure
+# (a dict) with dm-tree, which sorts dict keys.
+FLAT_COLUMN_ORDER: Tuple[str, ...] = tuple(sorted(ITEM_COLUMNS))
+
+# Seconds; the smallest timeout `Client.server_info` accepts (it takes whole seconds, and without a
+# timeout it waits forever for an unreachable server).
+SERVER_INFO_TIMEOUT_S = 1
+
+
+def rollouts_signature() -> Dict[str, Any]:
+    """The table signature: per-token columns `[None]`, scalar columns `[]`, exact dtypes."""
+    import tensorflow as tf
+
+    spec = {name: tf.TensorSpec([None], tf.as_dtype(TOKEN_DTYPES[name]), name=name)
+            for name in TOKEN_COLUMNS}
+    spec.update({name: tf.TensorSpec([], tf.as_dtype(SCALAR_DTYPES[name]), name=name)
+                 for name in SCALAR_COLUMNS})
+    spec[LENGTH_COLUMN] = tf.TensorSpec([], tf.as_dtype(LENGTH_DTYPE), name=LENGTH_COLUMN)
+    return spec
+
+
+def make_rollouts_table(queue_capacity: int, name: str = DEFAULT_TABLE):
+    """A `reverb.Table` that is a bounded FIFO queue of rollouts.
+
+    Fifo sampler and remover, `max_times_sampled=1` (each rollout is trained on once), and a
+    `Queue(queue_capacity)` rate limiter: inserts block while `queue_capacity` rollouts are queued,
+    samples block while the table is empty. The signature makes the `TrajectoryWriter` check every
+    item's dtypes and shapes before it is sent.
+    """
+    if not isinstance(queue_capacity, (int, np.integer)) or queue_capacity < 1:
+        raise ValueError(f"queue_capacity={queue_capacity!r}: must be an int >= 1 (the most "
+                         "rollouts that may wait in replay; SAOConfig uses 2*batch_size)")
+    import reverb
+
+    return reverb.Table(
+        name=name,
+        sampler=reverb.selectors.Fifo(),
+        remover=reverb.selectors.Fifo(),
+        max_size=int(queue_capacity),
+        rate_limiter=reverb.rate_limiters.Queue(int(queue_capacity)),
+        max_times_sampled=1,
+        signature=rollouts_signature(),
+    )
+
+
+def connect(client_or_address: Union[str, Any]):
+    """A `reverb.Client` from an address ("host:port") or an existing client."""
+    if isinstance(client_or_address, str):
+        if ":" not in client_or_address:
+            raise ValueError(f"replay address {client_or_address!r}: expected 'host:port', "
+                             "e.g. ReplayServer.address")
+        import reverb
+
+        return reverb.Client(client_or_address)
+    if not hasattr(client_or_address, "server_info"):
+        raise TypeError(f"expected a replay address 'host:port' or a reverb.Client, got "
+                        f"{type(client_or_address).__name__}")
+    return client_or_address
+
+
+def table_info(client, table: str, timeout_s: int = SERVER_INFO_TIMEOUT_S):
+    """The `reverb.TableInfo` of `table`; raises KeyError naming the tables that exist."""
+    infos = client.server_info(timeout=max(1, int(timeout_s)))
+    if table not in infos:
+        raise KeyError(f"replay has no table {table!r}; it has {sorted(infos)}. Pass the table "
+                       "name the ReplayServer was made with")
+    return infos[table]
+
+
+def table_status(client, table: str, timeout_s: int = SERVER_INFO_TIMEOUT_S) -> Tuple[int, int]:
+    """(items in `table`, items its rate limiter lets wait): one ServerInfo round trip.
+
+    `Client.server_info` also decodes every table signature into TensorSpecs through TensorFlow
+    (~0.3 ms for the rollouts table, 5x the round trip); the hot paths (a check per write, per
+    read) parse the `TableInfo` protos and skip that. Falls back to `server_info` if Reverb's
+    internals differ from 0.14's.
+    """
+    timeout = max(1, int(timeout_s))
+    raw_client = getattr(client, "_client", None)
+    if raw_client is None or not hasattr(raw_client, "ServerInfo"):
+        info = table_info(client, table, timeout)
+        return int(info.current_size), insert_capacity(info)
+    from reverb.cc import schema_pb2
+
+    try:
+        protos = raw_client.ServerInfo(timeout)
+    except RuntimeError as e:
+        if "Deadline Exceeded" in str(e):
+            raise TimeoutError(f"replay at {client.server_address} did not answer within "
+                               f"{timeout}s") from e
+        raise
+    names = []
+    for proto in protos:
+        info = schema_pb2.TableInfo.FromString(proto)
+        if info.name == table:
+            return int(info.current_size), insert_capacity(info)
+        names.append(info.name)
+    raise KeyError(f"replay has no table {table!r}; it has {sorted(names)}. Pass the table name "
+                   "the ReplayServer was made with")
+
+
+def insert_capacity(info) -> int:
+    """How many items the table's rate limiter lets wait before it blocks inserts.
+
+    Reverb's limiter admits an insert while `(inserts + 1) * samples_per_insert - samples <=
+    max_diff`. For the queue table (samples_per_insert 1, every sample removes its item)
+    `inserts - samples` is the table's current size, so the bound is `max_diff` items.
+    """
+    rl = info.rate_limiter_info
+    spi = rl.samples_per_insert or 1.0
+    return int(min(info.max_size, rl.max_diff / spi))
+
+
+class ReplayServer(core.Worker):
+    """The replay node: a `reverb.Server` hosting the rollouts table, as a `core.Worker`.
+
+    `run()` starts the server (if `start()` has not) and serves until `stop()`. `address` is known
+    from construction on, so a launcher can hand it to other nodes before the server runs.
+
+    Network: Reverb 0.14's `Server` takes only a port, no host; it listens on all interfaces
+    (`[::]:PORT`, seen as `*:PORT` by `ss -ltn`). `address` says "127.0.0.1:PORT", which is what
+    local clients should use; on a shared host, firewall the port: Reverb has no authentication.
+
+    Checkpoints: with `checkpoint_dir`, a `DefaultCheckpointer` there restores the newest checkpoint
+    (items, order and counters) when the server starts, `checkpoint()` writes one, so does `run()`
+    every `checkpoint_every_s` seconds (0: never) and once more when it stops. Reverb restores the
+    checkpoint's rate limiter in place of the one configured here; a capacity mismatch is logged.
+    Without `checkpoint_dir`, Reverb's default checkpointer (an empty temporary folder) is used.
+    """
+
+    def __init__(self, queue_capacity: int, port: int = 0, checkpoint_dir: Optional[str] = None,
+                 *, table_name: str = DEFAULT_TABLE, checkpoint_every_s: float = 0.0):
+        if not isinstance(queue_capacity, (int, np.integer)) or queue_capacity < 1:
+            raise ValueError(f"queue_capacity={queue_capacity!r}: must be an int >= 1")
+        if port < 0 or port > 65535:
+            raise ValueError(f"port={port}: must be in [0, 65535] (0 picks a free port)")
+        if checkpoint_every_s < 0:
+            raise ValueError(f"checkpoint_every_s={checkpoint_every_s}: must be >= 0 (0: never)")
+        if checkpoint_every_s and not checkpoint_dir:
+            raise ValueError("checkpoint_every_s is set but checkpoint_dir is not: periodic "
+                             "checkpoints need a checkpoint_dir")
+        self.queue_capacity = int(queue_capacity)
+        self.table_name = table_name
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every_s = float(checkpoint_every_s)
+        if not port:
+            import portpicker  # a Reverb dependency; no TensorFlow
+
+            port = portpicker.pick_unused_port()
+        self._port = int(port)
+        self._server = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """Where local clients connect, "127.0.0.1:PORT" (the server listens on all interfaces)."""
+        return f"127.0.0.1:{self._port}"
+
+    @property
+    def started(self) -> bool:
+        return self._server is not None
+
+    def start(self) -> "ReplayServer":
+        """Starts serving (idempotent); returns self."""
+        with self._lock:
+            if self._server is not None:
+                return self
+            import reverb
+
+            checkpointer = None
+            if self.checkpoint_dir:
+                checkpointer = reverb.checkpointers.DefaultCheckpointer(path=self.checkpoint_dir)
+            table = make_rollouts_table(self.queue_capacity, self.table_name)
+            t0 = time.time()
+            self._server = reverb.Server(tables=[table], port=self._port,
+                                         checkpointer=checkpointer)
+            logging.info("ReplayServer: table %r (queue capacity %d) serving at %s in %.2fs%s",
+                         self.table_name, self.queue_capacity, self.address, time.time() - t0,
+                         f", checkpoints in {self.checkpoint_dir}" if self.checkpoint_dir else "")
+        if self.checkpoint_dir:
+            self._check_restored()
+        return self
+
+    def _check_restored(self) -> None:
+        info = table_info(self.client(), self.table_name)
+        restored = insert_capacity(info)
+        if info.current_size:
+            logging.info("ReplayServer: restored %d queued rollouts from %s", info.current_size,
+                         self.checkpoint_dir)
+        if restored != self.queue_capacity:
+            logging.warning(
+                "ReplayServer: the checkpoint in %s restored a rate limiter with capacity %d, "
+                "not queue_capacity=%d (Reverb keeps the checkpoint's limiter). Use "
+                "queue_capacity=%d, or start from an empty checkpoint_dir.", self.checkpoint_dir,
+                restored, self.queue_capacity, restored)
+
+    def client(self):
+        """A `reverb.Client` connected to this server."""
+        import reverb
+
+        return reverb.Client(self.address)
+
+    def checkpoint(self) -> str:
+        """Writes a checkpoint now and returns its path (needs `checkpoint_dir`)."""
+        if not self.checkpoint_dir:
+            raise RuntimeError("ReplayServer.checkpoint(): no checkpoint_dir was given")
+        if self._server is None:
+            raise RuntimeError("ReplayServer.checkpoint(): the server is not started")
+        path = self.client().checkpoint()
+        logging.info("ReplayServer: checkpoint written to %s", path)
+        return path
+
+    def run(self) -> None:
+        self.start()
+        try:
+            period = self.checkpoint_every_s or None
+            while not self._stop.wait(timeout=period):
+                self._try_checkpoint()
+            if self.checkpoint_dir:
+                self._try_checkpoint()
+        finally:
+            self._shutdown()
+
+    def _try_checkpoint(self) -> None:
+        try:
+            self.checkpoint()
+        except Exception as e:  # a failed checkpoint must not take replay down
+            logging.error("ReplayServer: checkpoint to %s failed: %s", self.checkpoint_dir, e)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            server.stop()
+            logging.info("ReplayServer: stopped (%s)", self.address)
