@@ -75,9 +75,19 @@ class Actor(core.Worker):
             self.counters["weight_updates"] += 1
 
     def _admitted(self) -> int:
+        """How many rollouts this actor may start now.
+
+        Admission counts a rollout started at version v as trainable until version v + eta. That
+        holds only if the engine already runs version v, so when the server's version is ahead of
+        the engine's, the actor first waits for (and loads) those weights.
+        """
         if not self._admission:
             return self._actor_batch
-        return self._variables.admit(str(self.actor_id), self._actor_batch)
+        decision = self._variables.admit_details(str(self.actor_id), self._actor_batch)
+        if decision.granted and decision.policy_version > self._engine.version:
+            self._variables.wait_for_version(decision.policy_version)
+            self._maybe_update_weights()
+        return decision.granted
 
     def _write(self, rollout) -> bool:
         while not self._stop.is_set():

@@ -702,16 +702,23 @@ def _call_stop(worker: Any, name: str) -> None:
         traceback.print_exc()
 
 
+# Builds run one at a time within a process: under local_mt several nodes would otherwise import
+# the same lazily-imported packages concurrently, and some (transformers' lazy modules) are not
+# safe to import from two threads at once. Runs stay concurrent.
+_BUILD_LOCK = threading.Lock()
+
+
 def _build_and_run(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict,
                    port: Optional[int], control: _WorkerControl,
                    on_built: Optional[Callable[[Any], None]] = None) -> None:
     """In the node's own process or thread: dereference handles, build the worker, run it."""
-    args, kwargs = map_handles((args, kwargs), lambda h: h.dereference())
-    if port is not None:
-        kwargs = dict(kwargs, port=port)
-    if control.stop_requested:
-        return
-    worker = fn(*args, **kwargs)
+    with _BUILD_LOCK:
+        args, kwargs = map_handles((args, kwargs), lambda h: h.dereference())
+        if port is not None:
+            kwargs = dict(kwargs, port=port)
+        if control.stop_requested:
+            return
+        worker = fn(*args, **kwargs)
     if not callable(getattr(worker, "run", None)) or not callable(getattr(worker, "stop", None)):
         raise TypeError(f"node {name}: {getattr(fn, '__qualname__', fn)} returned "
                         f"{type(worker).__name__}, not a Worker (needs run() and stop())")

@@ -173,12 +173,14 @@ class SAOLearner(core.Worker, core.VariableSource):
             t0 = time.time()
             got = self._reader.sample(n - len(fresh), timeout_s=1.0)
             waited += time.time() - t0
-            for r in got:
-                if self.staleness_of(r) > self.config.max_staleness:
-                    dropped += 1
-                else:
-                    fresh.append(r)
-        self.dropped_stale += dropped
+            stale = [r for r in got if self.staleness_of(r) > self.config.max_staleness]
+            fresh.extend(r for r in got if self.staleness_of(r) <= self.config.max_staleness)
+            if stale:
+                dropped += len(stale)
+                self.dropped_stale += len(stale)
+                # Each drop is admission credit: without it, actors that filled their quota with
+                # rollouts that are now too stale would wait for a version that never comes.
+                self.publish_progress()
         return fresh, waited, dropped
 
     # --- publishing and the loop ------------------------------------------------------------------

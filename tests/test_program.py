@@ -1,0 +1,101 @@
+"""The whole program: real processes, a real Reverb server, real gRPC, a real (tiny) model."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sao_actor_learner.builder import make_program
+from sao_actor_learner.config import SAOConfig
+from sao_actor_learner.observers import read_metrics
+from sao_actor_learner.run import run_program
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REQUIRED_KEYS = ("step", "policy_version", "reward_mean", "staleness_mean", "staleness_max",
+                 "dis_masked_frac", "kl_rollout", "value_loss", "explained_variance",
+                 "samples_per_s", "learner_wait_frac", "queue_size", "dropped_stale")
+
+
+def small_config(warm_start, run_dir, **overrides):
+    base = dict(init_checkpoint=warm_start, run_dir=str(run_dir), max_steps=6, batch_size=8,
+                num_actors=2, actor_batch=4, max_staleness=1, eval_every=3, eval_size=50,
+                launch="local_mp")
+    base.update(overrides)
+    return SAOConfig(**base)
+
+
+def check_run(config, summary):
+    train = read_metrics(config.run_dir, "train")
+    assert [r["step"] for r in train] == list(range(1, config.max_steps + 1))
+    for row in train:
+        for key in REQUIRED_KEYS:
+            assert key in row, f"metrics.jsonl row lacks {key}"
+        # The bound: nothing staler than max_staleness is ever trained on.
+        assert row["staleness_max"] <= config.max_staleness
+        assert sum(row["staleness_hist"]) == row["batch_size"] == config.batch_size
+    assert summary["steps"] == config.max_steps
+    assert summary["rollouts_trained"] == config.max_steps * config.batch_size
+    assert summary["initial_eval_accuracy"] is not None
+    assert summary["final_eval_accuracy"] is not None
+    with open(os.path.join(config.run_dir, "summary.json")) as f:
+        assert json.load(f) == summary
+    with open(os.path.join(config.run_dir, "config.json")) as f:
+        assert SAOConfig.from_json(f.read()) == config
+    return train
+
+
+def test_local_mp_run_with_admission_control(warm_start, tmp_path):
+    config = small_config(warm_start, tmp_path / "run")
+    summary = run_program(config, make_program, progress=False)
+    check_run(config, summary)
+    with open(os.path.join(config.run_dir, "nodes.json")) as f:
+        nodes = json.load(f)["nodes"]
+    pids = {n["pid"] for n in nodes}
+    assert len(pids) == len(nodes) == 3 + config.num_actors + 1 and os.getpid() not in pids
+    assert all(n["status"] == "finished" for n in nodes)
+    assert summary["rollouts_inserted"] >= summary["rollouts_trained"]
+    assert os.listdir(os.path.join(config.run_dir, "tb"))
+    assert os.path.exists(os.path.join(config.run_dir, "checkpoints", "step_000006", "config.json"))
+
+
+def test_staleness_limit_drops_and_counts_without_admission_control(warm_start, tmp_path):
+    # Without admission control actors race ahead and fill the queue with version-0 rollouts:
+    # once the learner moves on they are too stale for max_staleness=0 and must be dropped.
+    config = small_config(warm_start, tmp_path / "run", max_staleness=0, admission_control=False,
+                          queue_capacity=32, actor_batch=8, max_steps=4, eval_every=0)
+    summary = run_program(config, make_program, progress=False)
+    train = check_run(config, summary)
+    assert summary["dropped_stale"] > 0
+    assert train[-1]["dropped_stale"] == summary["dropped_stale"]
+    assert all(r["staleness_max"] == 0 for r in train)
+
+
+def test_local_mt_runs_the_same_program_in_threads(warm_start, tmp_path):
+    config = small_config(warm_start, tmp_path / "run", launch="local_mt", max_steps=3,
+                          eval_every=0)
+    summary = run_program(config, make_program, progress=False)
+    check_run(config, summary)
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--max_staleness=-1", "max_staleness=-1: must be >= 0"),
+    ("--queue_capacity=4", "deadlock"),
+    ("--eps_low=1.5", "eps_low=1.5"),
+    ("--launch=cluster", "launch='cluster'"),
+])
+def test_invalid_config_fails_before_launch(tmp_path, flag, message):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "programs", "sao.py"), flag,
+                           f"--run_dir={run_dir}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout
+    assert not run_dir.exists()  # nothing was launched or written
+
+
+def test_missing_checkpoint_fails_before_launch(tmp_path):
+    config = SAOConfig(init_checkpoint=str(tmp_path / "nothing"), run_dir=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="make warm-start"):
+        run_program(config, make_program, progress=False)
+    assert not (tmp_path / "run").exists()
