@@ -39,34 +39,145 @@ def sampling_params(config: SAOConfig, greedy: bool = False, eos_id: Optional[in
 
 
 # --- the parts --------------------------------------------------------------------------------------
-def make_replay_server(config: SAOConfig, port: int = 0):
+def make_replay_server(config: SAOConfig, port: int = 0, run_dir: Optional[str] = None):
+    """The replay node; with config.replay_checkpoints it restores the newest Reverb checkpoint
+    in replay_checkpoint_dir when it starts and writes one periodically and when it stops."""
     from sao_actor_learner.replay import ReplayServer
-    return ReplayServer(config.effective_queue_capacity, port=port)
+    checkpoint_dir = replay_checkpoint_dir(config, run_dir) if config.replay_checkpoints else None
+    return ReplayServer(config.effective_queue_capacity, port=port, checkpoint_dir=checkpoint_dir,
+                        checkpoint_every_s=config.replay_checkpoint_every_s if checkpoint_dir
+                        else 0.0)
 
 
-def make_variable_server(config: SAOConfig, publisher_token: str, port: int = 0):
-    from sao_actor_learner.variables import VariableServer
+# --- fault tolerance and security (issue 7) ---------------------------------------------------------
+def replay_checkpoint_dir(config: SAOConfig, run_dir: Optional[str] = None) -> str:
+    return config.replay_checkpoint_dir or os.path.join(run_dir or config.run_dir, "checkpoints",
+                                                        "replay")
+
+
+def check_launch_security(config: SAOConfig, auth_token: Optional[str] = None) -> str:
+    """The auth token to use (`auth_token`, else $SAO_AUTH_TOKEN); raises ConfigError when the
+    variable server would bind a non-loopback address without one."""
+    from sao_actor_learner.config import ConfigError
+    from sao_actor_learner.variables.security import check_bind, resolve_auth_token
+    token = resolve_auth_token(auth_token)
+    try:
+        check_bind(config.bind_host, token, "the variable server")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return token
+
+
+def prepare_run_dir(config: SAOConfig, run_dir: Optional[str] = None) -> None:
+    """A fresh run (resume=False) clears what a resumed one would pick up from run_dir: learner
+    checkpoints and journal, the replay checkpoint and the actors' spools."""
+    import glob
+    import shutil
+    run_dir = run_dir or config.run_dir
+    if config.resume:
+        return
+    doomed = glob.glob(os.path.join(run_dir, "checkpoints", "step_*")) + [
+        os.path.join(run_dir, "checkpoints", "journal"), os.path.join(run_dir, "spool"),
+        replay_checkpoint_dir(config, run_dir)]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def launch_options(config: SAOConfig) -> dict:
+    """The `launch()` arguments a config implies: restart policies, bind host, Ray cluster and
+    per-group Ray resources."""
+    from sao_actor_learner import launch as lp
+    from sao_actor_learner.config import parse_ray_resources
+    policy = lp.RestartPolicy(max_restarts=config.max_restarts,
+                              backoff_s=config.restart_backoff_s,
+                              max_backoff_s=max(30.0, config.restart_backoff_s))
+    options = {"restart": {group: policy for group in config.restart_groups},
+               "bind_host": config.bind_host}
+    if config.launch == "ray":
+        options["ray_address"] = config.ray_address or None
+        options["resources"] = parse_ray_resources(config.ray_resources)
+    return options
+
+
+def _tls_files(config: SAOConfig):
+    """(certificate bytes, key bytes) of the variable server's TLS, or (None, None)."""
+    if not config.tls_cert:
+        return None, None
+    from sao_actor_learner.variables.security import read_file_bytes
+    return (read_file_bytes(config.tls_cert, "tls_cert"), read_file_bytes(config.tls_key,
+                                                                         "tls_key"))
+
+
+def _variables_client_security(config: SAOConfig, auth_token: str) -> dict:
+    """VariableClient / VariablePublisher keyword arguments for the auth token and TLS."""
+    cert, _ = _tls_files(config)
+    return {"auth_token": auth_token, "tls_root_cert": cert}
+
+
+def make_variable_server(config: SAOConfig, publisher_token: str, port: int = 0,
+                         auth_token: str = ""):
+    from sao_actor_learner.variables import SafetensorsValidator, VariableServer
+    forced = config.forced_staleness >= 0
+    # Forced staleness k: admission lets actors start exactly one batch per version (eta 0), and
+    # the server keeps the k older versions they generate with.
+    # Issue 7: binds config.bind_host (non-loopback needs the auth token), optional TLS, and
+    # every published version is checked (names, dtypes, shapes pinned by version 0, finite
+    # values) before any client can fetch it.
+    cert, key = _tls_files(config)
     return VariableServer(port=port, batch_size=config.batch_size,
-                          max_staleness=config.max_staleness,
+                          max_staleness=0 if forced else config.max_staleness,
                           admission_control=config.admission_control,
-                          publisher_token=publisher_token)
+                          publisher_token=publisher_token,
+                          keep_versions=config.forced_staleness + 2 if forced else 2,
+                          host=config.bind_host, auth_token=auth_token,
+                          tls_cert_chain=cert, tls_private_key=key,
+                          validate_payload=SafetensorsValidator())
 
 
 def make_task(config: SAOConfig, actor_id: int = 0):
     """The task; actors get disjoint prompt ids (offset = actor id, stride = number of actors)."""
     from sao_actor_learner.tasks import make_task as _make_task
+    extra = {"shift_every": config.shift_every} if config.task == "online_shift" else {}
+    if config.task == "calculator_tool":  # issue 3: tool latency and timeout
+        extra = {"tool_latency": config.tool_latency, "tool_timeout_s": config.tool_timeout_s}
     return _make_task(config.task, seed=config.seed, num_eval=config.eval_size,
-                      prompt_id_offset=actor_id, prompt_id_stride=config.num_actors)
+                      prompt_id_offset=actor_id, prompt_id_stride=config.num_actors, **extra)
 
 
-def make_engine(config: SAOConfig):
+def _follow_engine_version(task, engine) -> None:
+    """Tasks whose reward depends on the policy version (online_shift) read the engine's."""
+    if hasattr(task, "set_version_source"):
+        task.set_version_source(lambda: engine.version)
+
+
+def make_engine(config: SAOConfig, role: str = "actor", run_dir: Optional[str] = None):
+    """The Engine of an actor (role "actor_<i>") or the evaluator (role "evaluator").
+
+    engine="vllm" starts a vLLM server for this node (log: <run_dir>/logs/vllm_<role>.log); the
+    evaluator keeps the torch engine unless vllm_evaluator (same weights, greedy).
+    """
+    if config.engine == "vllm" and (role != "evaluator" or config.vllm_evaluator):
+        from sao_actor_learner.engines import VLLMEngine
+        log_dir = os.path.join(run_dir or config.run_dir, "logs")
+        return VLLMEngine.from_checkpoint(
+            config.init_checkpoint, weight_sync_mode=config.vllm_weight_sync_mode,
+            python=config.vllm_python, log_path=os.path.join(log_dir, f"vllm_{role}.log"),
+            start_timeout_s=config.vllm_start_timeout_s, max_restarts=config.vllm_max_restarts,
+            kv_cache_gb=config.vllm_kv_cache_gb, threads=config.threads_per_process,
+            enforce_eager=config.vllm_enforce_eager, seed=config.seed,
+            max_concurrency=max(config.actor_batch * max(config.group_size, 1), 1))
     from sao_actor_learner.engines import TorchEngine
     return TorchEngine.from_checkpoint(config.init_checkpoint)
 
 
 def make_learner(config: SAOConfig, replay_address: str, variables_address: str,
-                 publisher_token: str, run_dir: Optional[str] = None):
+                 publisher_token: str, run_dir: Optional[str] = None, auth_token: str = ""):
+    """The learner node. It resumes when run_dir holds a learner checkpoint or journal (a
+    restart after a crash, or --resume): weights, critic, optimisers, version, counters and RNG
+    state from the newest checkpoint, then the rollouts sampled after it from the journal
+    (learner/journal.py), so the steps lost in the crash are redone exactly."""
     setup_process(config, offset=10_000)
+    from sao_actor_learner.learner import journal as journal_lib
     from sao_actor_learner.learner.sao import SAOLearner
     from sao_actor_learner.models import checkpoint as ckpt
     from sao_actor_learner.models.value import ValueModel
@@ -74,100 +185,164 @@ def make_learner(config: SAOConfig, replay_address: str, variables_address: str,
     from sao_actor_learner.replay import RolloutReader
     from sao_actor_learner.variables import VariablePublisher
 
-    policy, tokenizer = ckpt.load_policy(config.init_checkpoint)
-    critic = ValueModel.from_policy(policy)
-    critic.freeze(config.critic_frozen_patterns)
     run_dir = run_dir or config.run_dir
-    return SAOLearner(
-        config, policy, critic,
-        reader=RolloutReader(replay_address),
-        publisher=VariablePublisher(variables_address, publisher_token),
+    resume = journal_lib.ResumePoint(os.path.join(run_dir, "checkpoints"))
+    policy, tokenizer = ckpt.load_policy(resume.checkpoint or config.init_checkpoint)
+    if config.algorithm == "sao":
+        critic = ValueModel.from_policy(policy)
+        critic.freeze(config.critic_frozen_patterns)
+        learner_cls, args = SAOLearner, (config, policy, critic)
+    elif config.algorithm == "grpo":
+        from sao_actor_learner.learner.grpo import GRPOLearner
+        learner_cls, args = GRPOLearner, (config, policy)
+    else:
+        from sao_actor_learner.learner.baselines import CriticFreeLearner
+        learner_cls, args = CriticFreeLearner, (config, policy)
+    learner = learner_cls(
+        *args,
+        reader=resume.reader(RolloutReader(replay_address)),
+        publisher=VariablePublisher(variables_address, publisher_token,
+                                    **_variables_client_security(config, auth_token)),
         serialize=ckpt.state_dict_to_bytes,
         logger=MetricsLogger(run_dir, "learner"),
-        checkpoint_fn=lambda learner, step: save_learner_checkpoint(learner, tokenizer, run_dir, step),
+        checkpoint_fn=lambda learner, step: save_learner_checkpoint(
+            learner, tokenizer, run_dir, step, keep=config.keep_checkpoints),
         pad_id=tokenizer.pad_id)
+    resume.restore(learner)
+    return learner
 
 
-def save_learner_checkpoint(learner, tokenizer, run_dir: str, step: int) -> str:
-    """Policy as a Hugging Face checkpoint, plus critic and optimiser state, under checkpoints/."""
+def save_learner_checkpoint(learner, tokenizer, run_dir: str, step: int, keep: int = 0) -> str:
+    """Writes checkpoints/step_<step>/ atomically: the policy as a Hugging Face checkpoint and
+    learner_state.pt (critic, optimisers, version, counters, RNG state: learner_state()); then
+    starts the learner's journal segment after it and keeps the newest `keep` (0: all)."""
+    import shutil
+
     import torch
 
+    from sao_actor_learner.learner import journal as journal_lib
     from sao_actor_learner.models import checkpoint as ckpt
 
-    path = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
-    ckpt.save_checkpoint(learner.policy, tokenizer, path)
-    torch.save({"critic": learner.critic.state_dict(),
-                "policy_opt": learner.policy_opt.state_dict(),
-                "critic_opt": learner.critic_opt.state_dict(),
-                "version": learner.version, "dropped_stale": learner.dropped_stale,
-                "rollouts_trained": learner.rollouts_trained},
-               os.path.join(path, "learner_state.pt"))
+    root = os.path.join(run_dir, "checkpoints")
+    path = journal_lib.checkpoint_path(root, step)
+    if getattr(learner, "_checkpointed_version", None) == step and os.path.exists(path):
+        return path   # the final checkpoint of a run that just wrote this one
+
+    def commit() -> str:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        ckpt.save_checkpoint(learner.policy, tokenizer, tmp)
+        torch.save(learner.learner_state(), os.path.join(tmp, journal_lib.LEARNER_STATE_FILE))
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        return path
+
+    reader = getattr(learner, "_reader", None)
+    if hasattr(reader, "rotate"):
+        reader.rotate(step, commit)
+    else:
+        commit()
+    learner._checkpointed_version = step
+    journal_lib.prune_checkpoints(root, keep)
     return path
 
 
 def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_address: str,
-               run_dir: Optional[str] = None):
+               run_dir: Optional[str] = None, auth_token: str = ""):
     setup_process(config, offset=actor_id + 1)
     from sao_actor_learner.actors.actor import Actor
     from sao_actor_learner.models import checkpoint as ckpt
     from sao_actor_learner.replay import RolloutWriter
     from sao_actor_learner.variables import VariableClient
 
-    engine = make_engine(config)
+    import numpy as np
+
+    from sao_actor_learner.actors.delays import make_delay_sampler
+
+    engine = make_engine(config, role=f"actor_{actor_id}", run_dir=run_dir)
     task = make_task(config, actor_id)
+    _follow_engine_version(task, engine)
     run_dir = run_dir or config.run_dir
+    delay_rng = np.random.default_rng([config.seed, actor_id, 2])
+    spool = None
+    if config.actor_spool:   # issue 7: completed rollouts survive a crash of this actor
+        from sao_actor_learner.actors.spool import RolloutSpool, spool_dir
+        spool = RolloutSpool(spool_dir(run_dir, actor_id))
     return Actor(
         actor_id, task, engine,
-        variables=VariableClient(variables_address, config.variable_update_period_s),
+        variables=VariableClient(variables_address, config.variable_update_period_s,
+                                 **_variables_client_security(config, auth_token)),
         writer=RolloutWriter(replay_address, max_sequence_length=config.max_sequence_length,
                              vocab_size=engine.tokenizer.vocab_size),
         decode=ckpt.bytes_to_state_dict,
         params=sampling_params(config, eos_id=engine.tokenizer.eos_id),
         actor_batch=config.actor_batch, admission_control=config.admission_control,
         seed=config.seed, max_total_tokens=config.max_sequence_length,
-        stats_path=os.path.join(run_dir, f"actor_{actor_id}_stats.json"))
+        max_turns=config.max_turns, env_threads=config.env_threads,
+        stats_path=os.path.join(run_dir, f"actor_{actor_id}_stats.json"),
+        group_size=config.group_size, forced_staleness=config.forced_staleness,
+        delay_sampler=make_delay_sampler(config.actor_delay, config.actor_delay_mean_s,
+                                         config.actor_delay_max_s, config.actor_delay_tail,
+                                         delay_rng),
+        spool=spool)
 
 
-def make_evaluator(config: SAOConfig, variables_address: str, run_dir: Optional[str] = None):
+def make_evaluator(config: SAOConfig, variables_address: str, run_dir: Optional[str] = None,
+                   auth_token: str = ""):
     setup_process(config, offset=20_000)
     from sao_actor_learner.actors.evaluator import Evaluator
     from sao_actor_learner.models import checkpoint as ckpt
     from sao_actor_learner.observers import MetricsLogger
     from sao_actor_learner.variables import VariableClient
 
-    engine = make_engine(config)
-    return Evaluator(make_task(config), engine,
-                     variables=VariableClient(variables_address, config.variable_update_period_s),
+    engine = make_engine(config, role="evaluator", run_dir=run_dir)
+    task = make_task(config)
+    _follow_engine_version(task, engine)
+    return Evaluator(task, engine,
+                     variables=VariableClient(variables_address, config.variable_update_period_s,
+                                              **_variables_client_security(config, auth_token)),
                      decode=ckpt.bytes_to_state_dict,
                      params=sampling_params(config, greedy=True, eos_id=engine.tokenizer.eos_id),
                      eval_every=config.eval_every, max_steps=config.max_steps,
-                     logger=MetricsLogger(run_dir or config.run_dir, "evaluator"))
+                     logger=MetricsLogger(run_dir or config.run_dir, "evaluator"),
+                     max_turns=config.max_turns, max_total_tokens=config.max_sequence_length,
+                     env_threads=config.env_threads)
 
 
 # --- the program ------------------------------------------------------------------------------------
 TERMINAL_GROUPS = ("learner", "evaluator")
 
 
-def make_program(config: SAOConfig, run_dir: Optional[str] = None):
+def make_program(config: SAOConfig, run_dir: Optional[str] = None, actor_factory=None,
+                 auth_token: Optional[str] = None):
     """The SAO program: replay, variable server, learner, N actors, evaluator.
 
     Nodes are wired only through handles; the publisher token is made here and given to the
     variable server and the learner alone, so only the learner can publish weights.
+    actor_factory: replaces `make_actor` (same arguments), e.g. to wrap the engine.
+    auth_token: the shared secret every variable-server call must carry (None: $SAO_AUTH_TOKEN,
+      "" for none); required when config.bind_host is not a loopback address (ConfigError).
     """
     from sao_actor_learner import launch as lp
 
     run_dir = run_dir or config.run_dir
+    auth = check_launch_security(config, auth_token)
+    secure = {"auth_token": auth} if auth else {}   # only factories that need it take it
     token = secrets.token_hex(16)
     program = lp.Program("sao")
     with program.group("replay"):
-        replay = program.add_node(lp.ServiceNode(make_replay_server, config))
+        replay = program.add_node(lp.ServiceNode(make_replay_server, config, run_dir=run_dir))
     with program.group("variables"):
-        variables = program.add_node(lp.ServiceNode(make_variable_server, config, token))
+        variables = program.add_node(lp.ServiceNode(make_variable_server, config, token,
+                                                    **secure))
     with program.group("learner"):
-        program.add_node(lp.PyNode(make_learner, config, replay, variables, token, run_dir))
+        program.add_node(lp.PyNode(make_learner, config, replay, variables, token, run_dir,
+                                   **secure))
     with program.group("actor"):
         for i in range(config.num_actors):
-            program.add_node(lp.PyNode(make_actor, config, i, replay, variables, run_dir))
+            program.add_node(lp.PyNode(actor_factory or make_actor, config, i, replay, variables,
+                                       run_dir, **secure))
     with program.group("evaluator"):
-        program.add_node(lp.PyNode(make_evaluator, config, variables, run_dir))
+        program.add_node(lp.PyNode(make_evaluator, config, variables, run_dir, **secure))
     return program

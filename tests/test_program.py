@@ -99,3 +99,15 @@ def test_missing_checkpoint_fails_before_launch(tmp_path):
     with pytest.raises(ValueError, match="make warm-start"):
         run_program(config, make_program, progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_bad_rollouts_are_rejected_counted_and_do_not_reach_the_learner(warm_start, tmp_path):
+    from program_fixtures import make_program_with_corrupting_actors
+
+    config = small_config(warm_start, tmp_path / "run", max_steps=4, eval_every=0)
+    summary = run_program(config, make_program_with_corrupting_actors, progress=False)
+    train = check_run(config, summary)
+    rejected = summary["rollouts_rejected"]
+    assert rejected.get("nonfinite_logp", 0) > 0 and rejected.get("token_out_of_range", 0) > 0
+    for row in train:
+        assert np.isfinite([row["policy_loss"], row["value_loss"], row["kl_rollout"]]).all()

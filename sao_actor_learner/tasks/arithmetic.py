@@ -61,7 +61,7 @@ class ArithmeticEnvironment(core.Environment):
             raise RuntimeError(f"prompt {self._prompt.prompt_id}: the episode is over (addition is "
                                "single-turn); make a new environment per episode")
         self._done = True
-        completion = decode_until_eos(self._task.tokenizer, action_tokens)
+        completion = self._task.completion_text(action_tokens)
         correct = completion == self._prompt.answer
         return core.StepResult(observation_tokens=[], reward=1.0 if correct else 0.0, done=True,
                                info={"completion": completion, "answer": self._prompt.answer,
@@ -166,8 +166,16 @@ class ArithmeticTask(core.Task):
     def make_environment(self, prompt: core.Prompt) -> core.Environment:
         return ArithmeticEnvironment(self, prompt)
 
+    def completion_text(self, completion_tokens: Sequence[int]) -> Optional[str]:
+        """The completion up to EOS, or None when it holds ids outside the vocabulary (a broken
+        engine's output scores 0 here; the replay writer then rejects the rollout)."""
+        try:
+            return decode_until_eos(self.tokenizer, completion_tokens)
+        except ValueError:
+            return None
+
     def is_correct(self, prompt: core.Prompt, completion_tokens: Sequence[int]) -> bool:
-        return decode_until_eos(self.tokenizer, completion_tokens) == prompt.answer
+        return self.completion_text(completion_tokens) == prompt.answer
 
     # Supervised warm start ------------------------------------------------------------------------
     def demonstration(self, a: int, b: int, rng: np.random.Generator) -> str:
