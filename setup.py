@@ -77,6 +77,7 @@ setup(
         "triton": ["triton==3.7.1"],  # the version torch 2.13 is built against
         "ray": ["ray>=2.9"],
         "test": ["pytest>=7", "pytest-timeout>=2"],
+        "plots": ["matplotlib>=3.7"],  # sweep and online-shift plots (programs/)
     },
     cmdclass={"build_py": BuildPyWithStubs, "develop": DevelopWithStubs},
 )

@@ -6,8 +6,12 @@
 Every field of `SAOConfig` is a flag (see `--helpfull`). The config is validated before any
 process starts. Writes config.json, metrics.jsonl, TensorBoard events, checkpoints/ and
 summary.json under --run_dir, and prints the held-out accuracy before and after.
+
+Security (issue 7): --auth_token (or $SAO_AUTH_TOKEN) is the secret every variable-server call
+must carry; it is needed to bind a non-loopback --bind_host and is never written to config.json.
 """
 import json
+import os
 import sys
 
 from absl import app, flags
@@ -19,6 +23,8 @@ from sao_actor_learner.run import run_program
 
 define_flags_from_dataclass(SAOConfig)
 flags.DEFINE_bool("progress", True, "Show a progress line.")
+flags.DEFINE_string("auth_token", None, "Shared secret for every variable-server call (default: "
+                    "$SAO_AUTH_TOKEN); needed with a non-loopback --bind_host. Not saved.")
 FLAGS = flags.FLAGS
 
 
@@ -26,6 +32,8 @@ def main(argv):
     del argv
     try:
         config = config_from_flags(SAOConfig)
+        if FLAGS.auth_token is not None:   # the nodes read it from the environment they inherit
+            os.environ["SAO_AUTH_TOKEN"] = FLAGS.auth_token
         summary = run_program(config, make_program, progress=FLAGS.progress)
     except ConfigError as e:
         sys.exit(f"invalid configuration: {e}")

@@ -75,12 +75,36 @@ def prepare_run_dir(config: SAOConfig, run_dir: Optional[str] = None) -> None:
     import shutil
     run_dir = run_dir or config.run_dir
     if config.resume:
+        _check_resumable(config, run_dir)
         return
     doomed = glob.glob(os.path.join(run_dir, "checkpoints", "step_*")) + [
         os.path.join(run_dir, "checkpoints", "journal"), os.path.join(run_dir, "spool"),
         replay_checkpoint_dir(config, run_dir)]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _check_resumable(config: SAOConfig, run_dir: str) -> None:
+    """--resume: the replay checkpoint brings back its own rate limiter (FACTS.md), so a changed
+    queue capacity would silently not apply; refuse it before anything starts."""
+    from sao_actor_learner.config import ConfigError
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        raise ConfigError(f"resume=True but {run_dir!r} holds no config.json: nothing to resume; "
+                          "drop --resume to start a new run there")
+    try:
+        with open(path) as f:
+            previous = SAOConfig.from_json(f.read())
+    except (TypeError, ValueError):   # written by another version of the config: can't compare
+        return
+    if config.replay_checkpoints and \
+            previous.effective_queue_capacity != config.effective_queue_capacity:
+        raise ConfigError(
+            f"resume=True with queue capacity {config.effective_queue_capacity} (queue_capacity="
+            f"{config.queue_capacity}, batch_size={config.batch_size}), but the run in "
+            f"{run_dir!r} used {previous.effective_queue_capacity}: Reverb restores the replay "
+            "checkpoint's rate limiter, so the new capacity would not apply; resume with "
+            f"queue_capacity={previous.effective_queue_capacity}")
 
 
 def launch_options(config: SAOConfig) -> dict:
@@ -200,7 +224,8 @@ def make_learner(config: SAOConfig, replay_address: str, variables_address: str,
         learner_cls, args = CriticFreeLearner, (config, policy)
     learner = learner_cls(
         *args,
-        reader=resume.reader(RolloutReader(replay_address)),
+        reader=resume.reader(lambda on_fetched: RolloutReader(replay_address,
+                                                              on_fetched=on_fetched)),
         publisher=VariablePublisher(variables_address, publisher_token,
                                     **_variables_client_security(config, auth_token)),
         serialize=ckpt.state_dict_to_bytes,

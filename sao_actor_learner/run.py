@@ -48,6 +48,10 @@ def summarize(config: SAOConfig, run_dir: str, wall_time_s: float) -> Dict:
     for a in actors:
         for k, v in a.get("rejected", {}).items():
             rejected[k] = rejected.get(k, 0) + v
+    env_counters: Dict[str, float] = {}  # episodes, turns, tool calls and tool errors (issue 3)
+    for a in actors:
+        for k, v in a.get("env_counters", {}).items():
+            env_counters[k] = env_counters.get(k, 0) + v
 
     def mean(key):
         vals = [r[key] for r in train if isinstance(r.get(key), (int, float))]
@@ -73,24 +77,45 @@ def summarize(config: SAOConfig, run_dir: str, wall_time_s: float) -> Dict:
         "rollouts_generated": sum(a.get("rollouts_generated", 0) for a in actors),
         "rollouts_inserted": sum(a.get("rollouts_inserted", 0) for a in actors),
         "rollouts_rejected": rejected,
+        "env_counters": env_counters,
         "max_staleness": config.max_staleness,
+        "restarts": _restarts(run_dir),   # issue 7: node -> restarts, from nodes.json
     }
     if summary["initial_eval_accuracy"] is not None and summary["final_eval_accuracy"] is not None:
         summary["eval_accuracy_gain"] = summary["final_eval_accuracy"] - summary["initial_eval_accuracy"]
     return summary
 
 
+def _restarts(run_dir: str) -> Dict[str, int]:
+    """node name -> how often the launcher restarted it (nodes which were, only)."""
+    try:
+        with open(os.path.join(run_dir, "nodes.json")) as f:
+            nodes = json.load(f)["nodes"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {n["name"]: len(n["restart_history"]) for n in nodes if n.get("restart_history")}
+
+
 def run_program(config: SAOConfig, make_program, progress: bool = True,
-                terminal_groups=("learner", "evaluator"), env: Optional[Dict[str, str]] = None) -> Dict:
-    """Launches `make_program(config)` and returns (and writes) the run summary."""
+                terminal_groups=("learner", "evaluator"), env: Optional[Dict[str, str]] = None,
+                on_launch=None) -> Dict:
+    """Launches `make_program(config)` and returns (and writes) the run summary.
+
+    on_launch: called with the running `Launched` once every node has started (e.g. a soak
+    test's fault injector, which restarts nodes through it); it runs in this thread and may
+    return at once (start a thread) or run until done.
+    """
     from sao_actor_learner import launch as lp
+    from sao_actor_learner.builder import check_launch_security, launch_options, prepare_run_dir
 
     check_init_checkpoint(config)
+    check_launch_security(config)   # issue 7: a non-loopback bind needs an auth token
     run_dir = config.run_dir
     os.makedirs(run_dir, exist_ok=True)
+    prepare_run_dir(config, run_dir)   # issue 7: a fresh run clears checkpoints, journal, spools
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)  # a fresh run; resuming is a separate feature
+    if os.path.exists(metrics) and not config.resume:
+        os.remove(metrics)  # a fresh run; --resume appends
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         f.write(config.to_json())
     node_env = {"OMP_NUM_THREADS": str(config.threads_per_process), "TF_CPP_MIN_LOG_LEVEL": "2",
@@ -98,8 +123,11 @@ def run_program(config: SAOConfig, make_program, progress: bool = True,
     t0 = time.time()
     program = make_program(config)
     launched = lp.launch(program, launch_type=config.launch, run_dir=run_dir,
-                         terminal_groups=terminal_groups, env=node_env)
+                         terminal_groups=terminal_groups, env=node_env,
+                         **launch_options(config))   # restarts, bind host, Ray (issue 7)
     try:
+        if on_launch is not None:
+            on_launch(launched)
         while True:
             if launched.wait(timeout=2.0):
                 break

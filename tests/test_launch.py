@@ -116,7 +116,7 @@ def test_map_handles_reaches_into_containers_and_keeps_the_rest():
 def test_launch_rejects_bad_arguments(tmp_path):
     program, _ = _echo_program(tmp_path)
     with pytest.raises(ValueError, match="launch_type"):
-        lp.launch(program, launch_type="ray")
+        lp.launch(program, launch_type="cluster")
     with pytest.raises(ValueError, match="none of these groups"):
         lp.launch(program, run_dir=str(tmp_path), terminal_groups=("nope",))
     with pytest.raises(ValueError, match="only service nodes"):

@@ -16,11 +16,24 @@ from sao_actor_learner import core
 
 
 def evaluate(engine: core.Engine, task: core.Task, prompts: List[core.Prompt],
-             params: core.SamplingParams, batch_size: int = 64) -> float:
-    """Fraction of `prompts` the engine solves with greedy decoding."""
+             params: core.SamplingParams, batch_size: int = 64, max_turns: int = 1,
+             max_total_tokens: int = 1 << 30, env_threads: int = 1) -> float:
+    """Fraction of `prompts` the engine solves with greedy decoding.
+
+    max_turns > 1 (multi-turn tasks, e.g. calculator_tool): whole episodes with the task's
+    environment (actors.rollout.run_episodes); success is `task.episode_success(rollout)`, or a
+    positive total reward for tasks without it.
+    """
     correct = 0
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
+        if max_turns > 1:
+            from sao_actor_learner.actors.rollout import run_episodes
+            success = getattr(task, "episode_success", lambda r: r.total_reward > 0)
+            rollouts = run_episodes(engine, task, chunk, params, max_turns=max_turns,
+                                    max_total_tokens=max_total_tokens, env_threads=env_threads)
+            correct += sum(bool(success(r)) for r in rollouts)
+            continue
         gens = engine.generate([p.token_ids for p in chunk], params)
         correct += sum(task.is_correct(p, g.tokens) for p, g in zip(chunk, gens))
     return correct / max(len(prompts), 1)
@@ -29,7 +42,8 @@ def evaluate(engine: core.Engine, task: core.Task, prompts: List[core.Prompt],
 class Evaluator(core.Worker):
     def __init__(self, task: core.Task, engine: core.Engine, variables,
                  decode: Callable[[bytes], dict], params: core.SamplingParams, eval_every: int,
-                 max_steps: int, logger=None):
+                 max_steps: int, logger=None, max_turns: int = 1,
+                 max_total_tokens: int = 1 << 30, env_threads: int = 1):
         self._task = task
         self._engine = engine
         self._variables = variables
@@ -38,6 +52,8 @@ class Evaluator(core.Worker):
         self._eval_every = eval_every
         self._max_steps = max_steps
         self._logger = logger
+        self._episode_limits = dict(max_turns=max_turns, max_total_tokens=max_total_tokens,
+                                    env_threads=env_threads)  # multi-turn tasks (issue 3)
         self._prompts = task.eval_prompts()
         self._stop = threading.Event()
         self.results: Dict[int, float] = {}
@@ -47,7 +63,8 @@ class Evaluator(core.Worker):
 
     def _evaluate_current(self) -> float:
         t0 = time.time()
-        acc = evaluate(self._engine, self._task, self._prompts, self._params)
+        acc = evaluate(self._engine, self._task, self._prompts, self._params,
+                       **self._episode_limits)
         v = self._engine.version
         self.results[v] = acc
         logging.info("eval: version %d accuracy %.3f (%.1fs)", v, acc, time.time() - t0)

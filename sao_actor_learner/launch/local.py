@@ -1,4 +1,4 @@
-"""Local launchers: every node a daemon thread of this process, or its own process.
+"""Launchers: every node a daemon thread of this process, its own process, or a Ray actor.
 
     launched = launch(program, launch_type="local_mp", run_dir="runs/x",
                       terminal_groups=("learner",))
@@ -10,6 +10,8 @@ local_mt   every node a daemon thread here: for tests and debugging; a PyNode's 
 local_mp   (default) every node its own process, started with multiprocessing's "spawn" (never
            fork: torch and TensorFlow start threads); each process's stdout and stderr go to
            `run_dir/logs/<label>_<index>.log`.
+ray        every node a Ray actor, on a local Ray instance or an existing cluster
+           (`ray_address`), with per-group resources; see launch/ray.py.
 
 Order: service nodes start first, on ports this launcher picks on 127.0.0.1; PyNodes start once
 every service accepts TCP connections. Stopping is cooperative: PyNodes are asked first (their
@@ -18,17 +20,30 @@ are terminated and then killed. Processes never outlive the launcher: `wait()` a
 stop what they started when they raise (KeyboardInterrupt too), an atexit hook stops programs
 still running at exit, and each node process stops itself when its parent process dies.
 
+Restarts: `restart={"actor": RestartPolicy(max_restarts=3, backoff_s=1.0)}` makes the launcher
+start a node of that group again when it crashes (an exception, a non-zero exit code, a signal
+such as `kill -9`) instead of failing the program: after `backoff_s`, doubling with each restart
+of the same node up to `max_backoff_s`, at most `max_restarts` times per node; one crash more
+fails the program as before. A restarted service keeps its address (same port), so the handles
+other nodes hold stay valid. `restart_node(name)` restarts a running node on request: a
+cooperative stop (a replay node checkpoints), then a fresh start at once; it does not count
+against `max_restarts`. A node that returns from run() normally is finished, never restarted.
+
 `run_dir/nodes.json` lists every node (label, index, pid or thread, address, status, exit code,
-log) and is rewritten whenever a status changes. Statuses: pending, running, finished (its
-worker's run() returned), failed (an exception or a non-zero exit code), killed (terminated by
-the launcher after the notice period), unresponsive (a thread that ignored stop; left behind
-as a daemon thread), not_started (launch failed before reaching it).
+log, restarts and their history: time, old pid, exit code, reason) and is rewritten whenever a
+status changes, restarts included (the new pid is there as soon as it is started). Statuses:
+pending, running, restarting (crashed, waiting for its backoff), finished (its worker's run()
+returned), failed (an exception or a non-zero exit code, with no restart left), killed
+(terminated by the launcher after the notice period), stopped (the program stopped while it
+waited to restart), unresponsive (a thread that ignored stop; left behind as a daemon thread),
+not_started (launch failed before reaching it).
 
 Pure standard library.
 """
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -49,9 +64,11 @@ from sao_actor_learner.launch.program import (Handle, Node, Program, PyNode, PyN
                                               ServiceHandle, ServiceNode, find_handles,
                                               map_handles)
 
-__all__ = ["launch", "Launched", "NodeFailedError", "LAUNCH_TYPES"]
+__all__ = ["launch", "Launched", "NodeFailedError", "RestartPolicy", "LAUNCH_TYPES"]
 
-LAUNCH_TYPES = ("local_mp", "local_mt")
+LAUNCH_TYPES = ("local_mp", "local_mt", "ray")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 LOG_TAIL_LINES = 40
 _KILL_GRACE_S = 2.0        # after SIGTERM, before SIGKILL
 _POLL_S = 0.05
@@ -74,6 +91,35 @@ class NodeFailedError(RuntimeError):
         self.details = details
 
 
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    """How a launcher restarts the nodes of one group after they crash.
+
+    max_restarts: restarts allowed per node (0: never restart); the crash after the last one
+      fails the program with NodeFailedError.
+    backoff_s: wait before the first restart of a node; doubles with each further restart of
+      the same node (1, 2, 4, ... s), up to `max_backoff_s`.
+    """
+    max_restarts: int = 3
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts!r}: must be an int >= 0 (restarts "
+                             "per node; 0 never restarts)")
+        if self.backoff_s < 0:
+            raise ValueError(f"backoff_s={self.backoff_s}: must be >= 0 (seconds before the "
+                             "first restart)")
+        if self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"max_backoff_s={self.max_backoff_s} < backoff_s={self.backoff_s}: "
+                             "raise max_backoff_s")
+
+    def delay(self, restart_number: int) -> float:
+        """Seconds to wait before restart number `restart_number` (1-based) of a node."""
+        return min(self.backoff_s * 2.0 ** max(restart_number - 1, 0), self.max_backoff_s)
+
+
 class _Record:
     """What the launcher knows about one node it started."""
 
@@ -91,6 +137,11 @@ class _Record:
         self.thread: Optional[threading.Thread] = None
         self.control: Optional[_WorkerControl] = None
         self.stop_conn: Any = None            # write end of the node's stop pipe (local_mp)
+        self.generation = 0                   # 0 for the first start, +1 per restart
+        self.restarts = 0                     # restarts after crashes (counted against the policy)
+        self.restart_requested = False        # restart_node() asked for the current exit
+        self.history: List[dict] = []         # one entry per restart
+        self.extra: Dict[str, Any] = {}       # launcher-specific fields for nodes.json (Ray ids)
 
     @property
     def name(self) -> str:
@@ -98,13 +149,16 @@ class _Record:
 
     @property
     def done(self) -> bool:
-        return self.status not in ("pending", "running", "not_started")
+        return self.status not in ("pending", "running", "not_started", "restarting")
 
     def info(self) -> dict:
         return {"name": self.name, "label": self.node.label, "index": self.node.index,
                 "kind": self.kind, "pid": self.pid, "thread": self.thread_name,
                 "address": self.node.handle.address if self.node.handle else None,
-                "status": self.status, "exitcode": self.exitcode, "log": self.log_path}
+                "status": self.status, "exitcode": self.exitcode, "log": self.log_path,
+                "restarts": self.restarts, "restarts_requested": sum(
+                    h["reason"] == "requested" for h in self.history),
+                "restart_history": list(self.history), **self.extra}
 
 
 _LIVE: "set[Launched]" = set()        # strong refs: dropped programs are still stopped at exit
@@ -129,20 +183,26 @@ class Launched:
     launch_type = ""
 
     def __init__(self, program: Program, run_dir: str, terminal_groups: Optional[Sequence[str]],
-                 env: Mapping[str, str], notice_s: float, service_timeout_s: float) -> None:
+                 env: Mapping[str, str], notice_s: float, service_timeout_s: float,
+                 restart: Optional[Mapping[str, RestartPolicy]] = None,
+                 bind_host: str = "127.0.0.1") -> None:
         self.program = program
         self.run_dir = run_dir
         self.notice_s = float(notice_s)
         self.service_timeout_s = float(service_timeout_s)
+        self.bind_host = bind_host
         self._env = {str(k): str(v) for k, v in env.items()}
         self._cond = threading.Condition()
         self._stop_lock = threading.RLock()
         self._stop_requested = False
         self._stopped = False
+        self._stop_event = threading.Event()     # wakes restarts waiting out their backoff
+        self._restart_lock = threading.Lock()    # a restart's start vs. stop()
         self._records: List[_Record] = [
             _Record(n, self._log_path(n)) for n in program.nodes]
         self._by_name = {r.name: r for r in self._records}
         self._terminal = self._terminal_records(terminal_groups)
+        self._restart_policies = self._check_restart(restart or {})
 
     # ----------------------------------------------------------------------------- public API
     @property
@@ -178,6 +238,56 @@ class Launched:
     def log_path(self, label: str, index: int = 0) -> Optional[str]:
         """The log file of node `<label>_<index>` (None under local_mt)."""
         return self._by_name[f"{label}_{index}"].log_path
+
+    @property
+    def restarts(self) -> Dict[str, int]:
+        """node name -> how many times it was restarted (after crashes and on request)."""
+        with self._cond:
+            return {r.name: len(r.history) for r in self._records}
+
+    def restart_node(self, name: str) -> None:
+        """Restarts running node `name` now and returns once its new instance has started.
+
+        The node is asked to stop as `stop()` would ask it (a replay node writes its checkpoint
+        on the way out), gets `notice_s` seconds, is killed if it has not exited by then, and is
+        started again at once: a service on the same address. Such a restart is recorded in
+        nodes.json (reason "requested") but does not count against its group's max_restarts.
+        Raises KeyError for an unknown node and RuntimeError when it is not running.
+        """
+        if name not in self._by_name:
+            raise KeyError(f"restart_node({name!r}): no such node; nodes: {sorted(self._by_name)}")
+        r = self._by_name[name]
+        with self._cond:
+            if self._stop_requested:
+                raise RuntimeError(f"restart_node({name!r}): the program is stopping")
+            if r.status != "running":
+                raise RuntimeError(f"restart_node({name!r}): the node is {r.status}; only a "
+                                   "running node can be restarted")
+            r.restart_requested = True
+            generation = r.generation
+        self._request_node_stop(r)
+        deadline = time.monotonic() + self.notice_s
+        with self._cond:
+            while r.generation == generation and r.status == "running":
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(min(remaining, 0.1))
+            exited = not (r.generation == generation and r.status == "running")
+        if not exited:
+            _logger.warning("node %s did not stop within notice_s=%g s of restart_node(); "
+                            "killing it", name, self.notice_s)
+            self._kill_node(r)
+        deadline = time.monotonic() + max(self.notice_s, 10.0) + self.service_timeout_s
+        with self._cond:
+            while r.generation == generation or r.status == "restarting":
+                if r.done or self._stop_requested:
+                    raise RuntimeError(f"restart_node({name!r}): the node is {r.status} instead "
+                                       "of restarted")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"restart_node({name!r}): not restarted in time")
+                self._cond.wait(min(remaining, 0.1))
 
     @property
     def stopped(self) -> bool:
@@ -231,6 +341,12 @@ class Launched:
             if self._stopped or self._stop_requested:
                 return   # done, or re-entered from an exception raised while stopping
             self._stop_requested = True
+            self._stop_event.set()
+            with self._restart_lock:   # a restart now starting finishes first; no new ones
+                with self._cond:
+                    for r in self._records:
+                        if r.status == "restarting":
+                            r.status = "stopped"
             completed = False
             try:
                 for kind in ("py", "service"):
@@ -264,10 +380,11 @@ class Launched:
         """Starts services, waits for their ports, then starts PyNodes."""
         with _LIVE_LOCK:
             _LIVE.add(self)
-        ports = _free_ports(sum(r.kind == "service" for r in self._records))
+        host = local_service_host(self.bind_host)
+        ports = _free_ports(sum(r.kind == "service" for r in self._records), host)
         for r in self._records:
             if r.kind == "service":
-                r.node.handle._address = f"127.0.0.1:{ports.pop()}"
+                r.node.handle._address = f"{_bracket(host)}:{ports.pop()}"
             else:
                 r.node.handle._launch_type = self.launch_type
         self._prepare()
@@ -284,24 +401,90 @@ class Launched:
         with self._cond:
             self._write_nodes_json()
 
-    def _record_exit(self, r: _Record, exitcode: int, error: Optional[str] = None) -> None:
-        """Notes that node `r` ended (once); wakes waiters."""
+    def _record_exit(self, r: _Record, exitcode: int, error: Optional[str] = None,
+                     generation: Optional[int] = None) -> None:
+        """Notes that node `r` (its instance `generation`, None: the current one) ended, once;
+        schedules its restart when its group's policy (or restart_node) asks; wakes waiters."""
         with self._cond:
-            if r.done:
+            if r.status != "running" or (generation is not None and generation != r.generation):
                 return
             r.exitcode = exitcode
             r.error = error
-            if exitcode == 0:
+            requested, r.restart_requested = r.restart_requested, False
+            policy = self._restart_policies.get(r.node.label)
+            if not self._stop_requested and (requested or (
+                    exitcode != 0 and policy is not None and r.restarts < policy.max_restarts)):
+                self._begin_restart(r, exitcode, requested, policy)
+            elif exitcode == 0:
                 r.status = "finished"
             elif r.killed and exitcode in (-signal.SIGTERM, -signal.SIGKILL):
                 r.status = "killed"
             else:
                 r.status = "failed"
                 if not self._stop_requested:
-                    _logger.error("node %s failed (exit code %s); see %s", r.name, exitcode,
-                                  r.log_path or "its traceback")
+                    tried = f" after {r.restarts} restarts" if r.restarts else ""
+                    _logger.error("node %s failed (exit code %s)%s; see %s", r.name, exitcode,
+                                  tried, r.log_path or "its traceback")
             self._write_nodes_json()
             self._cond.notify_all()
+
+    def _begin_restart(self, r: _Record, exitcode: int, requested: bool,
+                       policy: Optional[RestartPolicy]) -> None:
+        """Marks r restarting and starts the thread that restarts it. Call with _cond held."""
+        if requested:
+            delay = 0.0
+        else:
+            r.restarts += 1
+            delay = policy.delay(r.restarts)
+        r.history.append({"time": time.time(), "pid": r.pid, "exitcode": exitcode,
+                          "reason": "requested" if requested else "crashed",
+                          "backoff_s": delay, "error": (r.error or "")[-2000:] or None})
+        r.status = "restarting"
+        r.killed = False
+        if not requested:
+            _logger.warning("node %s crashed (exit code %s%s); restart %d of %d in %.1f s",
+                            r.name, exitcode, _signal_name(exitcode), r.restarts,
+                            policy.max_restarts, delay)
+        threading.Thread(target=self._restart_main, args=(r, r.generation, delay), daemon=True,
+                         name=f"{self.program.name}/restart-{r.name}").start()
+
+    def _restart_main(self, r: _Record, generation: int, delay: float) -> None:
+        """After `delay` s, starts a new instance of node r (unless the program stops first)."""
+        self._stop_event.wait(delay)
+        with self._restart_lock:
+            with self._cond:
+                if self._stop_requested or r.generation != generation or \
+                        r.status != "restarting":
+                    return
+                r.generation += 1
+            try:
+                self._release_instance(r)
+                self._start_node(r)
+            except BaseException:  # noqa: BLE001 - reported through wait()
+                with self._cond:
+                    r.status = "failed"
+                    r.error = traceback.format_exc()
+                    _logger.error("node %s could not be restarted:\n%s", r.name, r.error)
+                    self._write_nodes_json()
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                _logger.info("node %s restarted (pid %s)", r.name, r.pid)
+                self._write_nodes_json()
+                self._cond.notify_all()
+
+    def _check_restart(self, restart: Mapping[str, RestartPolicy]) -> Dict[str, RestartPolicy]:
+        groups = self.program.groups
+        out = {}
+        for label, policy in restart.items():
+            if not isinstance(policy, RestartPolicy):
+                raise TypeError(f"restart[{label!r}]={policy!r}: expected a RestartPolicy")
+            if label not in groups:
+                _logger.info("restart policy for group %r, which program %r lacks; ignored",
+                             label, self.program.name)
+                continue
+            out[label] = policy
+        return out
 
     def _first_failure(self) -> Optional[_Record]:
         failed = [r for r in self._records if r.status == "failed"]
@@ -347,7 +530,7 @@ class Launched:
         deadline = time.monotonic() + self.service_timeout_s
         while True:
             try:
-                with socket.create_connection((host, int(port)), timeout=1.0):
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
                     return
             except OSError:
                 pass
@@ -368,6 +551,8 @@ class Launched:
         details = self._details(r)
         if headline is None:
             headline = f"node {r.name} failed (exit code {r.exitcode}{_signal_name(r.exitcode)})"
+            if r.restarts:
+                headline += f" after {r.restarts} restarts (max_restarts of its group)"
         return NodeFailedError(f"{headline}\n{details}", node=r.name, exitcode=r.exitcode,
                                details=details)
 
@@ -396,6 +581,17 @@ class Launched:
     def _details(self, r: _Record) -> str:
         raise NotImplementedError
 
+    def _request_node_stop(self, r: _Record) -> None:
+        """Asks one node's worker to stop (restart_node)."""
+        raise NotImplementedError
+
+    def _kill_node(self, r: _Record) -> None:
+        """Kills one node that ignored a stop request (restart_node)."""
+        raise NotImplementedError
+
+    def _release_instance(self, r: _Record) -> None:
+        """Frees what the ended instance of r still holds, before its restart."""
+
 
 # ------------------------------------------------------------------------------ local_mt
 class _ThreadLaunched(Launched):
@@ -408,14 +604,18 @@ class _ThreadLaunched(Launched):
             os.environ.update(self._env)   # one process: the variables are shared by all nodes
 
     def _start_node(self, r: _Record) -> None:
+        handle = r.node.handle
+        if r.generation and isinstance(handle, PyNodeHandle):   # a restart: a new worker
+            handle._ready.clear()
+            handle._worker, handle._error = None, None
         r.control = _WorkerControl(r.name)
-        r.thread = threading.Thread(target=self._thread_main, args=(r,), daemon=True,
-                                    name=f"{self.program.name}/{r.name}")
+        r.thread = threading.Thread(target=self._thread_main, args=(r, r.generation),
+                                    daemon=True, name=f"{self.program.name}/{r.name}")
         r.thread_name = r.thread.name
         r.status = "running"
         r.thread.start()
 
-    def _thread_main(self, r: _Record) -> None:
+    def _thread_main(self, r: _Record, generation: int) -> None:
         node, handle = r.node, r.node.handle
         on_built = handle._set_worker if isinstance(handle, PyNodeHandle) else None
         port = _port(handle) if isinstance(handle, ServiceHandle) else None
@@ -425,11 +625,19 @@ class _ThreadLaunched(Launched):
             tb = traceback.format_exc()
             if isinstance(handle, PyNodeHandle):
                 handle._set_error(tb)
-            self._record_exit(r, 1, tb)
+            self._record_exit(r, 1, tb, generation)
         else:
             if isinstance(handle, PyNodeHandle):
                 handle._set_error("its worker was stopped before it was built")
-            self._record_exit(r, 0)
+            self._record_exit(r, 0, None, generation)
+
+    def _request_node_stop(self, r: _Record) -> None:
+        if r.control is not None:
+            r.control.request_stop()
+
+    def _kill_node(self, r: _Record) -> None:
+        raise TimeoutError(f"node {r.name} ignored the stop request and a thread cannot be "
+                           "killed; its restart is abandoned (use local_mp to kill nodes)")
 
     def _stop_records(self, kind: str, records: List[_Record]) -> None:
         for r in records:
@@ -496,8 +704,10 @@ class _ProcessLaunched(Launched):
 
     def _start_node(self, r: _Record) -> None:
         port = _port(r.node.handle) if r.kind == "service" else None
-        with open(r.log_path, "w") as f:
-            f.write(f"[launch] {self.program.name}/{r.name}: starting ({time.ctime()})\n")
+        # A restart appends to the log, after the crash it follows.
+        with open(r.log_path, "a" if r.generation else "w") as f:
+            what = f"restarting (restart {len(r.history)})" if r.generation else "starting"
+            f.write(f"[launch] {self.program.name}/{r.name}: {what} ({time.ctime()})\n")
         # The stop channel: the launcher sends b"stop" to stop the node; the node reads EOF
         # when the launcher dies. (Not a multiprocessing.Event: its set() blocks forever once
         # a process that waited on it has exited.)
@@ -527,17 +737,42 @@ class _ProcessLaunched(Launched):
             r.status = "running"
 
     def _poll(self, r: _Record) -> None:
-        if r.process is None or r.done:
+        proc, generation = r.process, r.generation
+        if proc is None or r.status != "running":
             return
         with self._reap_lock:
-            code = r.process.exitcode
+            code = proc.exitcode
         if code is not None:
-            self._record_exit(r, code)
+            self._record_exit(r, code, None, generation)
+
+    def _request_node_stop(self, r: _Record) -> None:
+        conn = r.stop_conn
+        if conn is not None:
+            try:
+                conn.send_bytes(b"stop")
+            except OSError:  # it has exited already
+                pass
+
+    def _kill_node(self, r: _Record) -> None:
+        proc = r.process
+        if proc is None:
+            return
+        r.killed = True
+        _signal(proc, signal.SIGTERM)
+        proc.join(_KILL_GRACE_S)
+        if proc.exitcode is None:
+            _signal(proc, signal.SIGKILL)
+
+    def _release_instance(self, r: _Record) -> None:
+        conn, r.stop_conn, r.process = r.stop_conn, None, None
+        if conn is not None:
+            conn.close()
 
     def _monitor_main(self) -> None:
         """Notices processes that end, as soon as they end."""
         while not self._monitor_stop.is_set():
-            live = [r for r in self._records if r.process is not None and not r.done]
+            live = [r for r in self._records
+                    if r.process is not None and r.status == "running"]
             if not live:
                 time.sleep(0.1)
                 continue
@@ -618,10 +853,15 @@ class _ProcessLaunched(Launched):
 def launch(program: Program, launch_type: str = "local_mp", run_dir: Optional[str] = None,
            terminal_groups: Optional[Sequence[str]] = None,
            env: Optional[Mapping[str, str]] = None, notice_s: float = 10.0,
-           service_timeout_s: float = 120.0) -> Launched:
+           service_timeout_s: float = 120.0,
+           restart: Optional[Mapping[str, RestartPolicy]] = None,
+           bind_host: str = "127.0.0.1",
+           ray_address: Optional[str] = None,
+           resources: Optional[Mapping[str, Mapping[str, float]]] = None) -> Launched:
     """Starts every node of `program` and returns the running program.
 
-    launch_type: "local_mp" (a process per node, the default) or "local_mt" (a thread per node).
+    launch_type: "local_mp" (a process per node, the default), "local_mt" (a thread per node)
+      or "ray" (a Ray actor per node; needs `pip install .[ray]`).
     run_dir: where nodes.json and logs/ go (a new temporary folder when None).
     terminal_groups: the groups whose PyNodes `wait()` waits for (all PyNodes when None);
       groups the program lacks are skipped (an evaluator that is switched off) but at least one
@@ -630,9 +870,21 @@ def launch(program: Program, launch_type: str = "local_mp", run_dir: Optional[st
       under local_mt they are set in this process).
     notice_s: how long stop() gives nodes to return from run() before terminating them.
     service_timeout_s: how long a service node may take to accept TCP connections.
+    restart: group label -> RestartPolicy: crashed nodes of those groups are started again
+      (see the module docstring); groups the program lacks are ignored.
+    bind_host: the interface the program's service factories bind (they are told separately,
+      e.g. by SAOConfig.bind_host); it decides the addresses handles resolve to: 127.0.0.1 for
+      loopback or wildcard binds on one machine, the node's IP for wildcard binds under Ray.
+    ray_address: launch_type="ray" only: the cluster to join ("auto", "ray://host:10001", ...);
+      None starts a local Ray instance unless this process already called ray.init().
+    resources: launch_type="ray" only: group label -> Ray resources of each of its nodes, e.g.
+      {"learner": {"num_cpus": 1, "num_gpus": 1}} (unlisted groups reserve nothing).
     """
     if launch_type not in LAUNCH_TYPES:
         raise ValueError(f"launch_type={launch_type!r}: must be one of {LAUNCH_TYPES}")
+    if launch_type != "ray" and (ray_address is not None or resources):
+        raise ValueError(f"ray_address / resources apply to launch_type='ray' only, not "
+                         f"{launch_type!r}")
     if not isinstance(program, Program):
         raise TypeError(f"launch({program!r}): expected a Program")
     if not program.nodes:
@@ -653,8 +905,16 @@ def launch(program: Program, launch_type: str = "local_mp", run_dir: Optional[st
     if run_dir is None:
         run_dir = tempfile.mkdtemp(prefix=f"{program.name}-")
     os.makedirs(run_dir, exist_ok=True)
-    cls = _ProcessLaunched if launch_type == "local_mp" else _ThreadLaunched
-    launched = cls(program, run_dir, terminal_groups, env or {}, notice_s, service_timeout_s)
+    if launch_type == "ray":
+        from sao_actor_learner.launch.ray import RayLaunched   # imports ray (optional extra)
+        launched: Launched = RayLaunched(
+            program, run_dir, terminal_groups, env or {}, notice_s, service_timeout_s,
+            restart=restart, bind_host=bind_host, ray_address=ray_address,
+            resources=resources or {})
+    else:
+        cls = _ProcessLaunched if launch_type == "local_mp" else _ThreadLaunched
+        launched = cls(program, run_dir, terminal_groups, env or {}, notice_s,
+                       service_timeout_s, restart=restart, bind_host=bind_host)
     program._launched = True
     try:
         launched._start()
@@ -820,13 +1080,30 @@ def _port(handle: Handle) -> int:
     return int(handle.address.rsplit(":", 1)[1])
 
 
-def _free_ports(n: int) -> List[int]:
-    """n distinct free TCP ports on 127.0.0.1 (bound together, then released)."""
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a service reachable from this machine only."""
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def local_service_host(bind_host: str) -> str:
+    """The host that reaches a service bound to `bind_host` from this machine."""
+    if is_loopback(bind_host) or bind_host in WILDCARD_HOSTS:
+        return "127.0.0.1"
+    return bind_host
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
+    """n distinct free TCP ports on `host` (bound together, then released)."""
     socks = []
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
+            s = socket.socket(family, socket.SOCK_STREAM)
+            s.bind((host.strip("[]"), 0))
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:

@@ -12,7 +12,7 @@ directly; `step()` and `run()` add sampling, publishing and logging.
 """
 from __future__ import annotations
 
-import os
+import functools
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -21,16 +21,20 @@ import numpy as np
 import torch
 from absl import logging
 
-from sao_actor_learner import core
+from sao_actor_learner import core, kernels
 from sao_actor_learner.config import SAOConfig
 from sao_actor_learner.learner import advantages as adv_lib
-from sao_actor_learner.learner import losses
+from sao_actor_learner.learner import losses, minibatches
+from sao_actor_learner.models.value import base_model_of
 from sao_actor_learner.types import Batch, Rollout, collate
 
-GAE_FUNCTIONS = {
-    "skip_observation": adv_lib.skip_observation_gae,
-    "standard": adv_lib.token_level_gae,
-}
+def _gae_function(mode: str, backend: str):
+    """The advantage estimator for config.gae; skip-observation GAE runs as a kernel."""
+    if mode == "skip_observation":
+        return functools.partial(kernels.skip_observation_gae, backend=backend)
+    if mode == "standard":
+        return adv_lib.token_level_gae
+    raise ValueError(f"gae={mode!r}: must be skip_observation or standard")
 
 
 def _grad_norm_and_clip(params, max_norm: float) -> float:
@@ -68,20 +72,75 @@ class SAOLearner(core.Worker, core.VariableSource):
         self._pad_id = pad_id
         self.policy_opt = torch.optim.AdamW(policy.parameters(), lr=config.policy_lr,
                                             betas=(0.9, 0.999), weight_decay=0.0)
-        self.critic_opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad],
-                                            lr=config.critic_lr, betas=(0.9, 0.999),
-                                            weight_decay=0.0)
+        self.critic_opt = None if critic is None else torch.optim.AdamW(  # None: critic-free
+            [p for p in critic.parameters() if p.requires_grad], lr=config.critic_lr,
+            betas=(0.9, 0.999), weight_decay=0.0)
         self.version = 0                 # learner steps done = policy version
         self.dropped_stale = 0           # rollouts dropped for staleness, in total
         self.pretrain_consumed = 0       # rollouts consumed by value pretraining
         self.rollouts_trained = 0
         self._stop = threading.Event()
-        self._gae = GAE_FUNCTIONS[config.gae]
+        self._gae = _gae_function(config.gae, config.kernel_backend)
         self._start_time = time.time()
+        # Resuming (issue 7, learner/journal.py).
+        self.pretrain_done = False       # value pretraining finished (not redone on resume)
+        self.resumed_from: Optional[int] = None   # version of the checkpoint resumed from
+        self.resume_publish_conflicts = 0  # republished versions the server refused (diverged)
 
     # --- core interfaces ------------------------------------------------------------------------
     def get_variables(self) -> Tuple[int, dict]:
         return self.version, self.policy.state_dict()
+
+    # --- checkpoints and resuming (issue 7) -----------------------------------------------------
+    # Attributes in which subclasses keep training state between steps (the critic-free
+    # baselines' trackers, GRPO's group assembler): saved with the checkpoint when present.
+    resume_attributes: Tuple[str, ...] = ("baseline", "assembler")
+
+    def learner_state(self) -> dict:
+        """Everything but the policy weights that a resumed learner needs to continue exactly:
+        critic, optimisers, version, counters, RNG states and subclass state."""
+        import pickle
+        import random
+        return {
+            "critic": self.critic.state_dict() if self.critic is not None else None,
+            "policy_opt": self.policy_opt.state_dict(),
+            "critic_opt": self.critic_opt.state_dict() if self.critic_opt is not None else None,
+            "version": self.version, "dropped_stale": self.dropped_stale,
+            "pretrain_consumed": self.pretrain_consumed,
+            "rollouts_trained": self.rollouts_trained, "pretrain_done": self.pretrain_done,
+            # For accounting: rollouts the reader took from replay that no step has used yet
+            # (lost if the learner ends now; see learner/journal.py for the data position).
+            "reader_buffered": getattr(self._reader, "buffered", 0),
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                    "python": random.getstate()},
+            "extra": pickle.dumps({k: getattr(self, k) for k in self.resume_attributes
+                                   if hasattr(self, k)}),
+        }
+
+    def restore(self, state: dict) -> None:
+        """Loads `learner_state()` output (the policy weights are loaded separately)."""
+        import pickle
+        import random
+        if (state.get("critic") is None) != (self.critic is None):
+            raise ValueError("the checkpoint's critic does not match this learner (a checkpoint "
+                             "of another algorithm?); resume with the same --algorithm")
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
+            self.critic_opt.load_state_dict(state["critic_opt"])
+        self.policy_opt.load_state_dict(state["policy_opt"])
+        self.version = int(state["version"])
+        self.dropped_stale = int(state["dropped_stale"])
+        self.pretrain_consumed = int(state.get("pretrain_consumed", 0))
+        self.rollouts_trained = int(state["rollouts_trained"])
+        self.pretrain_done = bool(state.get("pretrain_done", self.version > 0))
+        rng = state.get("rng")
+        if rng:
+            torch.set_rng_state(rng["torch"])
+            np.random.set_state(rng["numpy"])
+            random.setstate(rng["python"])
+        for key, value in pickle.loads(state["extra"]).items() if state.get("extra") else ():
+            setattr(self, key, value)
+        self.resumed_from = self.version
 
     def stop(self) -> None:
         self._stop.set()
@@ -106,22 +165,66 @@ class SAOLearner(core.Worker, core.VariableSource):
                 "lambda_policy": lam_policy}
 
     def policy_logprobs(self, batch: Batch) -> torch.Tensor:
-        """log pi_theta(x_t | x_<t) at every position, with the rollouts' sampling temperature."""
+        """log pi_theta(x_t | x_<t) at every position, with the rollouts' sampling temperature.
+
+        With config.fused_logprobs the LM head runs inside `kernels.fused_logprobs` on the last
+        hidden states, so the [B, T, V] logits are never materialised; else the plain way.
+        """
+        cfg = self.config
+        head = self.policy.get_output_embeddings()
+        if cfg.fused_logprobs and getattr(head, "bias", None) is None:
+            body = base_model_of(self.policy)
+            hidden = body(input_ids=batch.tokens, attention_mask=batch.attention_mask).last_hidden_state
+            picked = kernels.fused_logprobs(hidden[:, :-1], head.weight, batch.tokens[:, 1:],
+                                            temperature=cfg.temperature,
+                                            backend=cfg.kernel_backend)
+            return torch.cat([torch.zeros_like(picked[:, :1]), picked.float()], dim=1)
         logits = self.policy(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
-        return losses.token_logprobs(logits, batch.tokens, self.config.temperature)
+        return losses.token_logprobs(logits, batch.tokens, cfg.temperature)
 
     def policy_update(self, batch: Batch, advantages: torch.Tensor) -> Dict[str, float]:
+        """One policy optimizer step per minibatch (config.policy_minibatches, default 1).
+
+        config.policy_loss picks the loss (DIS by default, against the rollout log-probs); the
+        ppo_clip, tis and icepop losses take their ratio against the log-probs of the policy as
+        it is before this step's first minibatch, recomputed here without gradient.
+        """
         cfg = self.config
         self.policy.train()
-        logp = self.policy_logprobs(batch)
-        loss, stats = losses.dis_policy_loss(logp, batch.rollout_logp, advantages,
-                                             batch.action_mask, cfg.eps_low, cfg.eps_high,
-                                             cfg.loss_normalization)
-        self.policy_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        stats["policy_grad_norm"] = _grad_norm_and_clip(self.policy.parameters(), cfg.max_grad_norm)
-        self.policy_opt.step()
-        return stats
+        old_logp = None
+        if cfg.policy_loss in losses.NEEDS_OLD_LOGP:
+            with torch.no_grad():
+                old_logp = self.policy_logprobs(batch)
+        per_minibatch = []
+        for rows in minibatches.row_splits(batch.size, cfg.policy_minibatches):
+            whole = len(rows) == batch.size
+            mb = batch if whole else minibatches.select_rows(batch, rows)
+            mb_adv = advantages if whole else advantages[rows]
+            mb_old = old_logp if (old_logp is None or whole) else old_logp[rows]
+            logp = self.policy_logprobs(mb)
+            loss, stats = self._policy_loss(mb, logp, mb_adv, mb_old)
+            self.policy_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            stats["policy_grad_norm"] = _grad_norm_and_clip(self.policy.parameters(),
+                                                            cfg.max_grad_norm)
+            self.policy_opt.step()
+            per_minibatch.append(stats)
+        return minibatches.merge_stats(per_minibatch)
+
+    def _policy_loss(self, batch: Batch, logp: torch.Tensor, advantages: torch.Tensor,
+                     old_logp: Optional[torch.Tensor]):
+        """(loss, stats) of config.policy_loss; DIS runs on the kernel dispatcher."""
+        cfg = self.config
+        if cfg.policy_loss == "dis":
+            return kernels.dis_loss(logp, batch.rollout_logp, advantages, batch.action_mask,
+                                    cfg.eps_low, cfg.eps_high, cfg.loss_normalization,
+                                    backend=cfg.kernel_backend)
+        return losses.policy_loss(cfg.policy_loss, logp, batch.rollout_logp, advantages,
+                                  batch.action_mask, old_logp, eps_low=cfg.eps_low,
+                                  eps_high=cfg.eps_high, clip_low=cfg.ppo_clip_low,
+                                  clip_high=cfg.ppo_clip_high, tis_cap=cfg.tis_cap,
+                                  icepop_low=cfg.icepop_low, icepop_high=cfg.icepop_high,
+                                  normalization=cfg.loss_normalization)
 
     def critic_update(self, batch: Batch, returns: torch.Tensor, old_values: torch.Tensor,
                       steps: int) -> Dict[str, float]:
@@ -188,8 +291,23 @@ class SAOLearner(core.Worker, core.VariableSource):
         if self._publisher is None:
             return
         payload = self._serialize(self.policy.state_dict())
-        self._publisher.publish(self.version, payload,
-                                dropped_total=self.dropped_stale + self.pretrain_consumed)
+        try:
+            self._publisher.publish(self.version, payload,
+                                    dropped_total=self.dropped_stale + self.pretrain_consumed)
+        except Exception as e:
+            # A resumed learner redoes the steps its crashed predecessor published (journal.py):
+            # the server refuses versions older than its newest ("not newer") and accepts its
+            # newest again only with identical weights; anything else means the redo diverged.
+            code = getattr(getattr(e, "code", None), "name", "")
+            if self.resumed_from is None or code != "FAILED_PRECONDITION":
+                raise
+            if "different payload" in str(e):
+                self.resume_publish_conflicts += 1
+                logging.warning("resumed learner: version %d differs from the one published "
+                                "before the crash (the redo diverged): %s", self.version, e)
+            else:
+                logging.info("resumed learner: version %d was published before the crash",
+                             self.version)
 
     def _log(self, row: dict) -> None:
         if self._logger is not None:
@@ -229,6 +347,7 @@ class SAOLearner(core.Worker, core.VariableSource):
     def step(self) -> Dict[str, float]:
         cfg = self.config
         t_start = time.time()
+        replaying = getattr(self._reader, "replaying", False)   # redoing journalled steps
         rollouts, waited, dropped = self.sample_fresh(cfg.batch_size)
         if not rollouts:
             return {}
@@ -255,6 +374,10 @@ class SAOLearner(core.Worker, core.VariableSource):
             "rollouts_trained": self.rollouts_trained,
             "wall_time_s": time.time() - self._start_time,
         })
+        if self.resumed_from is not None:   # issue 7: a resumed learner's rows say so
+            stats.update({"resumed_from": self.resumed_from,
+                          "replayed": int(replaying),
+                          "resume_publish_conflicts": self.resume_publish_conflicts})
         stats["dis_masked_frac"] = stats.get("masked_frac", 0.0)
         self._log(stats)
         if self._checkpoint_fn is not None and cfg.checkpoint_every and \
@@ -281,9 +404,10 @@ class SAOLearner(core.Worker, core.VariableSource):
     def run(self) -> None:
         cfg = self.config
         self._start_time = time.time()
-        self.publish()  # version 0: the warm start
-        if cfg.value_pretrain_steps:
+        self.publish()  # version 0: the warm start (or the version resumed from)
+        if cfg.value_pretrain_steps and not self.pretrain_done:
             self.pretrain_value()
+        self.pretrain_done = True
         while self.version < cfg.max_steps and not self._stop.is_set():
             self.step()
         if self._checkpoint_fn is not None and self.version > 0:

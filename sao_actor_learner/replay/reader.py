@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Deque, List, Optional, Sequence, Union
+from typing import Any, Callable, Deque, List, Optional, Sequence, Union
 
 import numpy as np
 from absl import logging
@@ -63,11 +63,17 @@ class RolloutReader:
       client_or_address: a `reverb.Client` or the replay address "host:port" (works from any
         process).
       table: the table name.
+      on_fetched: called with each rollout in the fetch thread as soon as it has arrived from
+        replay (which has already removed it), before `sample` can return it; the learner's
+        journal records it there (learner/journal.py), leaving only the transfer itself as the
+        window in which a killed learner loses rollouts.
     """
 
-    def __init__(self, client_or_address: Union[str, Any], table: str = DEFAULT_TABLE):
+    def __init__(self, client_or_address: Union[str, Any], table: str = DEFAULT_TABLE,
+                 on_fetched: Optional[Callable[[Rollout], None]] = None):
         self._client = connect(client_or_address)
         self._table = table
+        self._on_fetched = on_fetched
         self._buffer: Deque[Rollout] = collections.deque()
         self._cond = threading.Condition()
         self._request = 0          # items the fetch thread is asked for / still fetching
@@ -172,6 +178,8 @@ class RolloutReader:
                 sampler = raw_client.NewSampler(self._table, k, k)
                 for _ in range(k):
                     rollout = decode_item(sampler.GetNextTrajectory()[_NUM_INFO_TENSORS:])
+                    if self._on_fetched is not None:
+                        self._on_fetched(rollout)
                     with self._cond:
                         if self._closed:
                             logging.warning("RolloutReader: dropped a rollout that arrived after "

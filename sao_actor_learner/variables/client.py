@@ -23,6 +23,7 @@ from absl import logging
 
 from sao_actor_learner import core
 from sao_actor_learner.protos_gen import variables_pb2, variables_pb2_grpc
+from sao_actor_learner.variables.security import auth_interceptor, channel_credentials
 
 PUBLISHER_TOKEN_METADATA_KEY = "x-sao-publisher-token"  # same as server.py (kept import-light)
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
@@ -92,12 +93,19 @@ class _LazyChannel:
 
     _PICKLED_FIELDS: Tuple[str, ...] = ()
 
-    def _init_channel(self, address: str, max_message_bytes: int) -> None:
+    def _init_channel(self, address: str, max_message_bytes: int, auth_token: str = "",
+                      tls_root_cert: Optional[bytes] = None, tls_server_name: str = "") -> None:
         if not isinstance(address, str) or ":" not in address:
             raise ValueError(f"address={address!r}: must be 'host:port' (e.g. the server's "
                              "VariableServer.address)")
         self._address = address
         self._max_message_bytes = max_message_bytes
+        # Security (security.py): the auth token goes with every call; TLS when a root
+        # certificate is given (tls_server_name: the name the server's certificate carries,
+        # when it is not the address's host).
+        self.auth_token = auth_token
+        self.tls_root_cert = tls_root_cert
+        self.tls_server_name = tls_server_name
         self._channel: Optional[grpc.Channel] = None
         self._stub: Optional[variables_pb2_grpc.VariableServiceStub] = None
         self._channel_lock = threading.Lock()
@@ -112,9 +120,18 @@ class _LazyChannel:
             if self._closed:
                 raise VariableClientError(f"{type(self).__name__}({self._address}) is closed")
             if self._stub is None:
-                self._channel = grpc.insecure_channel(
-                    self._address, options=_channel_options(self._max_message_bytes))
-                self._stub = variables_pb2_grpc.VariableServiceStub(self._channel)
+                options = _channel_options(self._max_message_bytes)
+                if self.tls_root_cert is not None:
+                    if self.tls_server_name:
+                        options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+                    self._channel = grpc.secure_channel(
+                        self._address, channel_credentials(self.tls_root_cert), options=options)
+                else:
+                    self._channel = grpc.insecure_channel(self._address, options=options)
+                channel = self._channel
+                if self.auth_token:
+                    channel = grpc.intercept_channel(channel, auth_interceptor(self.auth_token))
+                self._stub = variables_pb2_grpc.VariableServiceStub(channel)
             return self._stub
 
     def _close_channel(self) -> None:
@@ -141,17 +158,20 @@ class VariablePublisher(_LazyChannel):
         max_message_bytes.
       format: payload format recorded with each version, e.g. "safetensors".
       max_message_bytes: gRPC message limit on this side.
+      auth_token, tls_root_cert, tls_server_name: see security.py ("", None: off).
     """
 
     _PICKLED_FIELDS = ("address", "publisher_token", "chunk_bytes", "format",
-                       "max_message_bytes")
+                       "max_message_bytes", "auth_token", "tls_root_cert", "tls_server_name")
 
     def __init__(self, address: str, publisher_token: str, chunk_bytes: int = 1 << 20,
                  format: str = "safetensors",  # noqa: A002 - the proto field's name
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, auth_token: str = "",
+                 tls_root_cert: Optional[bytes] = None, tls_server_name: str = ""):
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes={chunk_bytes}: must be >= 1")
-        self._init_channel(address, max_message_bytes)
+        self._init_channel(address, max_message_bytes, auth_token, tls_root_cert,
+                           tls_server_name)
         self.publisher_token = publisher_token
         self.chunk_bytes = chunk_bytes
         self.format = format
@@ -235,15 +255,18 @@ class VariableClient(_LazyChannel, core.VariableSource):
       rpc_timeout_s: deadline of one LatestVersion/FetchWeights call.
       max_backoff_s: longest pause between polls while the server is unreachable.
       max_message_bytes: gRPC message limit on this side.
+      auth_token, tls_root_cert, tls_server_name: see security.py ("", None: off).
     """
 
     _PICKLED_FIELDS = ("address", "update_period_s", "decode", "fetch_chunk_bytes",
-                       "rpc_timeout_s", "max_backoff_s", "max_message_bytes")
+                       "rpc_timeout_s", "max_backoff_s", "max_message_bytes", "auth_token",
+                       "tls_root_cert", "tls_server_name")
 
     def __init__(self, address: str, update_period_s: float = 0.05,
                  decode: Optional[Callable[[bytes], Any]] = None, fetch_chunk_bytes: int = 0,
                  rpc_timeout_s: float = 60.0, max_backoff_s: float = 2.0,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, auth_token: str = "",
+                 tls_root_cert: Optional[bytes] = None, tls_server_name: str = ""):
         if update_period_s <= 0:
             raise ValueError(f"update_period_s={update_period_s}: must be > 0")
         if fetch_chunk_bytes < 0:
@@ -252,7 +275,8 @@ class VariableClient(_LazyChannel, core.VariableSource):
         if rpc_timeout_s <= 0 or max_backoff_s <= 0:
             raise ValueError(f"rpc_timeout_s={rpc_timeout_s}, max_backoff_s={max_backoff_s}: "
                              "must be > 0")
-        self._init_channel(address, max_message_bytes)
+        self._init_channel(address, max_message_bytes, auth_token, tls_root_cert,
+                           tls_server_name)
         self.update_period_s = update_period_s
         self.decode = decode
         self.fetch_chunk_bytes = fetch_chunk_bytes
@@ -377,10 +401,11 @@ class VariableClient(_LazyChannel, core.VariableSource):
         finally:
             self._fetch_lock.release()
 
-    def _fetch(self, stub, deadline: float, wait_for_ready: bool) -> Tuple[int, bytes, str]:
-        """Streams the newest version and verifies size, version and sha256."""
+    def _fetch(self, stub, deadline: float, wait_for_ready: bool,
+               version: int = -1) -> Tuple[int, bytes, str]:
+        """Streams the newest version (or `version` >= 0) and verifies size, version, sha256."""
         stream = stub.FetchWeights(
-            variables_pb2.FetchRequest(version=-1, chunk_bytes=self.fetch_chunk_bytes),
+            variables_pb2.FetchRequest(version=version, chunk_bytes=self.fetch_chunk_bytes),
             timeout=max(deadline - time.monotonic(), 0.001), wait_for_ready=wait_for_ready)
         buf = bytearray()
         digest = hashlib.sha256()
@@ -467,6 +492,24 @@ class VariableClient(_LazyChannel, core.VariableSource):
                                               f"failed: {last}", e.code()) from None
             time.sleep(min(self.update_period_s, max(deadline - time.monotonic(), 0)))
 
+    def fetch_version(self, version: int, timeout_s: float = 60.0) -> Any:
+        """The params of one specific (older) version the server still keeps; the held version
+        is not changed. Used by actors that run an older policy on purpose (forced staleness).
+        Raises VariableClientError when the server no longer keeps `version`."""
+        if version < 0:
+            raise ValueError(f"version={version}: must be >= 0")
+        deadline = time.monotonic() + timeout_s
+        try:
+            got, payload, _ = self._fetch(self._get_stub(), deadline, True, version=version)
+        except grpc.RpcError as e:
+            raise VariableClientError(f"FetchWeights(version={version}) from {self._address} "
+                                      f"failed: {_describe(e)}", e.code()) from None
+        except _CorruptFetch as e:
+            raise VariableClientError(f"FetchWeights(version={version}): {e}") from None
+        if got != version:
+            raise VariableClientError(f"FetchWeights(version={version}) returned version {got}")
+        return self.decode(payload) if self.decode is not None else payload
+
     def latest_info(self, timeout_s: float = 10.0) -> VersionInfo:
         """The server's newest version (one LatestVersion call; waits for the server)."""
         try:
@@ -479,13 +522,20 @@ class VariableClient(_LazyChannel, core.VariableSource):
 
     # ------------------------------------------------------------------ admission
 
-    def admit_details(self, actor_id: str, count: int = 1, timeout_s: float = 30.0) -> AdmitResult:
-        """Asks to start `count` rollouts; returns the full decision (waits for the server)."""
+    def admit_details(self, actor_id: str, count: int = 1, timeout_s: float = 30.0,
+                      released: int = 0) -> AdmitResult:
+        """Asks to start `count` rollouts; returns the full decision (waits for the server).
+
+        released: rollouts admitted earlier that will never be inserted (refused by the writer,
+        lost with a crashed actor); the server returns their slots first."""
         if count < 1:
             raise ValueError(f"count={count}: must be >= 1 (rollouts to start)")
+        if released < 0:
+            raise ValueError(f"released={released}: must be >= 0")
         try:
             reply = self._get_stub().Admit(
-                variables_pb2.AdmitRequest(actor_id=str(actor_id), count=count),
+                variables_pb2.AdmitRequest(actor_id=str(actor_id), count=count,
+                                           released=released),
                 timeout=timeout_s, wait_for_ready=True)
         except grpc.RpcError as e:
             raise VariableClientError(f"Admit(actor_id={actor_id!r}, count={count}) at "

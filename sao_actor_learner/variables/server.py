@@ -6,7 +6,10 @@ before starting a rollout (SAO.md section 6, AReaL's staleness rule).
 
 Every request is parsed by hand from raw bytes so that a malformed message gets an
 INVALID_ARGUMENT naming what was wrong (gRPC's default answer is a bare INTERNAL), and no bad
-request can stop the server. The payload is never interpreted: no torch import here.
+request can stop the server. The payload is never interpreted here (no torch import): a
+`validate_payload` hook (security.SafetensorsValidator in a program) checks names, shapes and
+dtypes before a version becomes visible. With an `auth_token` every call must carry it
+(security.py); binding a non-loopback host without one is refused; TLS is optional.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from google.protobuf import message as pb_message
 
 from sao_actor_learner import core
 from sao_actor_learner.protos_gen import variables_pb2
+from sao_actor_learner.variables.security import (AUTH_TOKEN_METADATA_KEY, check_bind,
+                                                  server_credentials)
 
 SERVICE_NAME = variables_pb2.DESCRIPTOR.services_by_name["VariableService"].full_name
 PUBLISHER_TOKEN_METADATA_KEY = "x-sao-publisher-token"
@@ -90,6 +95,12 @@ class VariableServer(core.Worker):
       keep_versions: how many newest versions stay fetchable by number (>= 1).
       max_payload_bytes: the largest payload a publisher may announce.
       max_workers: gRPC handler threads (each FetchWeights stream holds one while it streams).
+      auth_token: the shared secret every call must send in metadata `x-sao-auth-token`; ""
+        accepts calls without one (allowed only when `host` is a loopback address).
+      tls_cert_chain, tls_private_key: PEM bytes; with both, the server listens with TLS only.
+      validate_payload: called as validate_payload(version, payload, format) once a publish
+        has arrived whole with a correct sha256; raising ValueError refuses the version
+        (INVALID_ARGUMENT with its message) and the previous one stays visible.
     """
 
     def __init__(self,
@@ -103,7 +114,11 @@ class VariableServer(core.Worker):
                  chunk_bytes: int = 1 << 20,
                  keep_versions: int = 2,
                  max_payload_bytes: int = 16 << 30,
-                 max_workers: int = 16):
+                 max_workers: int = 16,
+                 auth_token: str = "",
+                 tls_cert_chain: Optional[bytes] = None,
+                 tls_private_key: Optional[bytes] = None,
+                 validate_payload: Optional[Callable[[int, memoryview, str], None]] = None):
         if not 0 <= port <= 65535:
             raise ValueError(f"port={port}: must be in [0, 65535]; 0 picks a free port")
         if batch_size < 1:
@@ -124,6 +139,12 @@ class VariableServer(core.Worker):
             raise ValueError(f"max_payload_bytes={max_payload_bytes}: must be >= 1")
         if max_workers < 2:
             raise ValueError(f"max_workers={max_workers}: must be >= 2")
+        check_bind(host, auth_token, "the variable server")
+        if (tls_cert_chain is None) != (tls_private_key is None):
+            raise ValueError("tls_cert_chain and tls_private_key: give both (TLS) or neither")
+        self._auth_token = auth_token
+        self._tls = (tls_cert_chain, tls_private_key) if tls_cert_chain is not None else None
+        self._validate_payload = validate_payload
         self._requested_port = port
         self._host = host
         self._batch_size = batch_size
@@ -181,7 +202,10 @@ class VariableServer(core.Worker):
             server.add_generic_rpc_handlers((self._make_handler(),))
             target = f"{self._host}:{self._requested_port}"
             try:
-                bound = server.add_insecure_port(target)
+                if self._tls is not None:
+                    bound = server.add_secure_port(target, server_credentials(*self._tls))
+                else:
+                    bound = server.add_insecure_port(target)
             except RuntimeError as e:
                 raise RuntimeError(f"VariableServer could not bind {target} ({e}): pick another "
                                    "port or pass port=0") from e
@@ -195,8 +219,10 @@ class VariableServer(core.Worker):
                 logging.warning("VariableServer on %s has no publisher_token: anyone who can "
                                 "reach the port may publish weights", self.address)
             logging.info("VariableServer serving on %s (batch_size=%d, max_staleness=%d, "
-                         "admission_control=%s)", self.address, self._batch_size,
-                         self._max_staleness, self._admission_control)
+                         "admission_control=%s, auth token %s, TLS %s)", self.address,
+                         self._batch_size, self._max_staleness, self._admission_control,
+                         "required" if self._auth_token else "off",
+                         "on" if self._tls else "off")
             return self
 
     def run(self) -> None:
@@ -264,6 +290,8 @@ class VariableServer(core.Worker):
                 details: str) -> None:
         with self._lock:
             self._counters[f"rejected_{method}"] += 1
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                self._counters["rejected_unauthenticated"] += 1
         peer = context.peer()
         if method == "Publish":
             logging.warning("VariableServer rejected %s from %s: %s: %s", method, peer,
@@ -274,9 +302,30 @@ class VariableServer(core.Worker):
                                         5, method, peer, code.name, details)
         context.abort(code, details)
 
+    def _check_auth(self, context: grpc.ServicerContext) -> None:
+        """UNAUTHENTICATED unless the call carries the auth token (when the server has one)."""
+        if not self._auth_token:
+            return
+        presented = None
+        for key, value in context.invocation_metadata() or ():
+            if key == AUTH_TOKEN_METADATA_KEY:
+                presented = value
+        if isinstance(presented, bytes):
+            presented = presented.decode("utf-8", "replace")
+        if presented is None:
+            raise _Abort(grpc.StatusCode.UNAUTHENTICATED,
+                         f"this server needs the auth token in metadata "
+                         f"'{AUTH_TOKEN_METADATA_KEY}' on every call (--auth_token or "
+                         "SAO_AUTH_TOKEN)")
+        if not hmac.compare_digest(presented.encode("utf-8", "replace"),
+                                   self._auth_token.encode()):
+            raise _Abort(grpc.StatusCode.UNAUTHENTICATED,
+                         f"wrong auth token in metadata '{AUTH_TOKEN_METADATA_KEY}'")
+
     def _guard_unary(self, fn: Callable, method: str) -> Callable:
         def handler(request, context):
             try:
+                self._check_auth(context)
                 return fn(request, context)
             except _Abort as e:
                 self._reject(method, context, e.code, e.details)
@@ -291,6 +340,7 @@ class VariableServer(core.Worker):
     def _guard_stream(self, fn: Callable, method: str) -> Callable:
         def handler(request, context):
             try:
+                self._check_auth(context)
                 yield from fn(request, context)
             except _Abort as e:
                 self._reject(method, context, e.code, e.details)
@@ -317,7 +367,8 @@ class VariableServer(core.Worker):
                          f"'{PUBLISHER_TOKEN_METADATA_KEY}'; only the learner may publish")
         if isinstance(presented, bytes):
             presented = presented.decode("utf-8", "replace")
-        if not hmac.compare_digest(presented.encode(), self._publisher_token.encode()):
+        if not hmac.compare_digest(presented.encode("utf-8", "replace"),
+                                   self._publisher_token.encode()):
             raise _Abort(grpc.StatusCode.PERMISSION_DENIED,
                          f"Publish: wrong publisher token in metadata "
                          f"'{PUBLISHER_TOKEN_METADATA_KEY}'; only the learner may publish")
@@ -412,8 +463,16 @@ class VariableServer(core.Worker):
                          f"Publish version={first.version}: sha256 mismatch (last chunk says "
                          f"{sha_claimed[:80]!r}, payload hashes to {actual}); the payload was "
                          "corrupted in transit and was discarded")
+        payload = memoryview(buf).toreadonly()
+        if self._validate_payload is not None:
+            try:
+                self._validate_payload(first.version, payload, first.format)
+            except ValueError as e:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"Publish version={first.version}: payload rejected: {e}; the "
+                             "version was discarded") from None
         record = PublishedVersion(
-            version=first.version, payload=memoryview(buf).toreadonly(), sha256=actual,
+            version=first.version, payload=payload, sha256=actual,
             format=first.format, dropped_total=first.dropped_total, publish_time=time.time())
         with self._lock:
             current = self._versions[-1] if self._versions else None
@@ -514,7 +573,18 @@ class VariableServer(core.Worker):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                          f"Admit actor_id has {len(request.actor_id)} characters: must be at "
                          f"most {MAX_ACTOR_ID_CHARS}")
+        if request.released < 0:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"Admit released={request.released}: must be >= 0 (admitted rollouts "
+                         "the actor will never insert)")
         with self._lock:
+            if request.released:
+                # Slots of rollouts that will never arrive (refused by the writer, or lost with
+                # a crashed actor): without them admission would shrink for good, and a run
+                # with enough of them would wait forever.
+                released = min(request.released, self._started_total)
+                self._started_total -= released
+                self._counters["released"] += released
             capacity = self._capacity_locked()
             if self._admission_control:
                 granted = max(0, min(request.count, capacity - self._started_total))

@@ -1,0 +1,214 @@
+"""Online adaptation: the reward's preference flips every --shift_every policy versions.
+
+task=online_shift (tasks/online_shift.py): phase 0 rewards the true sum (37+45 -> 82), phase 1
+the carry-free sum (-> 72), alternating. SAO (single rollouts, critic) against GRPO (groups),
+and any other method of sweeps.METHODS; reports how many learner steps each needs to recover
+after each shift.
+
+  python programs/online_shift.py --preset=full --out_dir=runs/online_shift \
+      --results_dir=results/online_shift
+  python programs/online_shift.py --preset=smoke --out_dir=/tmp/shift            # seconds
+  python programs/online_shift.py --methods=sao,grpo,critic_free --shapes=16x1,4x4 \
+      --shift_every=20 --max_steps=80 --seeds=0,1 --out_dir=runs/shift
+
+Recovery after a shift at version s: the pre-shift level L is the mean training reward of the
+--window steps up to s; the dip is the lowest --window-step moving average in the new phase
+(rollouts trained right after s were made before it, so the fall comes a few steps late); the
+run has recovered at the first step t after the dip whose moving average reaches
+--recover_fraction x L: steps_to_recover = t - s (0: it never fell that low; empty: not within
+the phase). The same on held-out accuracy under the current rule
+(greedy, less noisy, one point per --eval_every versions): eval_steps_to_recover is the first
+evaluated version v >= s with accuracy >= --recover_fraction x the last accuracy before s,
+minus s. phase_mean_reward (mean training reward over the new phase) summarises both.
+Writes results.csv (one row per run), recovery.csv (one row per run and shift),
+online_shift.png (reward and held-out accuracy under the current rule vs step, shifts marked).
+Resumable like every sweep; every other SAOConfig field is a flag.
+"""
+import os
+import sys
+
+from absl import app, flags
+
+from sao_actor_learner import sweeps
+from sao_actor_learner.builder import make_program
+from sao_actor_learner.config import ConfigError, SAOConfig
+from sao_actor_learner.flags import config_from_flags, define_flags_from_dataclass
+from sao_actor_learner.observers import read_metrics
+from sao_actor_learner.run import check_init_checkpoint, run_program
+
+GRID_FIELDS = ("algorithm", "policy_loss", "batch_size", "group_size", "seed", "run_dir",
+               "forced_staleness", "task")
+define_flags_from_dataclass(SAOConfig, skip=GRID_FIELDS)
+flags.DEFINE_enum("preset", "full", ["smoke", "full"], "Grid and run size; explicit flags win.")
+flags.DEFINE_string("out_dir", "runs/online_shift", "Where runs/, csv files and plots go.")
+flags.DEFINE_list("methods", ["sao", "grpo"], "Methods to compare (sweeps.METHODS).")
+flags.DEFINE_list("shapes", ["16x1", "4x4"], "Batch shapes PROMPTSxGROUP (GRPO skips G=1).")
+flags.DEFINE_list("seeds", ["0", "1"], "Seeds.")
+flags.DEFINE_integer("window", 5, "Steps averaged for the pre-shift level and recovery.")
+flags.DEFINE_float("recover_fraction", 0.9, "Recovered at this fraction of the pre-shift level.")
+flags.DEFINE_bool("progress", True, "Show progress.")
+flags.DEFINE_string("results_dir", "",
+                    "Also copy the CSV files and plots here (e.g. results/...).")
+FLAGS = flags.FLAGS
+
+PRESETS = {
+    "smoke": dict(methods=["sao", "grpo"], shapes=["4x1", "2x2"], seeds=["0"], shift_every=2,
+                  max_steps=4, window=1, num_actors=1, actor_batch=4, eval_every=2,
+                  eval_size=20, launch="local_mt"),
+    # ~10-15 min on 2 shared cores: 3 method x shape pairs x 2 seeds, 100 steps of 32
+    # rollouts, 3 shifts.
+    "full": dict(methods=["sao", "grpo"], shapes=["32x1", "8x4"], seeds=["0", "1"],
+                 shift_every=25, max_steps=100, window=3, num_actors=2, actor_batch=8,
+                 eval_every=5, eval_size=100),
+}
+RECOVERY_COLUMNS = ("method", "batch_shape", "seed", "shift", "shift_step", "to_phase",
+                    "pre_level", "dip", "dip_step", "phase_mean_reward", "steps_to_recover", "eval_pre",
+                    "eval_at_shift", "eval_steps_to_recover")
+
+
+def recovery(rewards_by_step, shift_every, max_steps, window, fraction, eval_by_step=None):
+    """One dict per shift: pre-shift level, dip (lowest moving average in the new phase), the
+    phase's mean reward (higher: faster adaptation) and steps to recover (None when not within
+    the phase). With `eval_by_step` (held-out accuracy under the current rule by version) also
+    eval_pre (the last accuracy before the shift), eval_at_shift and eval_steps_to_recover (first
+    evaluated version in the phase at fraction x eval_pre, minus the shift version)."""
+    steps = sorted(rewards_by_step)
+    values = [rewards_by_step[s] for s in steps]
+    smooth = dict(zip(steps, sweeps._windowed(values, window)))
+    out = []
+    for j, s in enumerate(range(shift_every, max_steps, shift_every), start=1):
+        before = [rewards_by_step[t] for t in steps if s - window < t <= s]
+        after = [t for t in steps if s < t <= min(s + shift_every, max_steps)]
+        if not before or not after:
+            continue
+        level = sum(before) / len(before)
+        # Rollouts trained just after the shift were made (and rewarded) before it, so the
+        # reward falls only some steps later: recovery is counted from the dip onwards.
+        dip_step = min(after, key=lambda t: smooth[t])
+        if smooth[dip_step] >= fraction * level:
+            recovered = s  # it never fell below the threshold
+        else:
+            recovered = next((t for t in after if t > dip_step and
+                              smooth[t] >= fraction * level), None)
+        out.append({"shift": j, "shift_step": s, "to_phase": j % 2, "pre_level": level,
+                    "dip": smooth[dip_step], "dip_step": dip_step,
+                    "phase_mean_reward": sum(rewards_by_step[t] for t in after) / len(after),
+                    "steps_to_recover": None if recovered is None else recovered - s})
+        evals = eval_by_step or {}
+        pre = [v for v in sorted(evals) if v < s]
+        post = [v for v in sorted(evals) if s <= v < s + shift_every or v == max_steps > s]
+        if pre and post:
+            level = evals[pre[-1]]
+            back = next((v for v in post if evals[v] >= fraction * level), None)
+            out[-1].update(eval_pre=level, eval_at_shift=evals[post[0]],
+                           eval_steps_to_recover=None if back is None else back - s)
+    return out
+
+
+def _eval_pair(group):
+    pairs = [(s["eval_pre"], s["eval_at_shift"]) for s in group if "eval_pre" in s]
+    if not pairs:
+        return "-"
+    return (f"{sum(p for p, _ in pairs) / len(pairs):.2f}->"
+            f"{sum(a for _, a in pairs) / len(pairs):.2f}")
+
+
+def _eval_back(group):
+    return ",".join("-" if s.get("eval_steps_to_recover") is None else
+                    str(s["eval_steps_to_recover"]) for s in group)
+
+
+def plot(rows, shift_every, max_steps, eval_every, path, title):
+    plt = sweeps._pyplot()
+    rows = [r for r in rows if r.get("status") == "ok"]
+    groups = {}
+    for r in rows:
+        groups.setdefault(f"{r['method']} {r['batch_shape']}", []).append(r["run_dir"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    for label, dirs in sorted(groups.items()):
+        steps, reward = sweeps.mean_curve(dirs, "reward_mean")
+        axes[0].plot(steps, sweeps._windowed(reward, 3), label=f"{label} (n={len(dirs)})")
+        steps, acc = sweeps.mean_curve(dirs, "eval_accuracy", kind="eval",
+                                       bin_size=eval_every)
+        axes[1].plot(steps, acc, marker="o", markersize=3, label=label)
+    for ax, name in zip(axes, ("training reward (current rule)", "held-out accuracy (current rule)")):
+        for s in range(shift_every, max_steps, shift_every):
+            ax.axvline(s, color="gray", linestyle="--", linewidth=0.8)
+        ax.set_xlabel("learner step (dashed: reward rule flips)")
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv):
+    del argv
+    sweeps.apply_preset(FLAGS, PRESETS[FLAGS.preset])
+    try:
+        base = config_from_flags(SAOConfig, task="online_shift")
+        check_init_checkpoint(base)
+        if base.max_steps <= base.shift_every:
+            raise ConfigError(f"max_steps={base.max_steps} <= shift_every={base.shift_every}: "
+                              "the reward would never shift; raise max_steps")
+        if not 1 <= FLAGS.window <= base.shift_every:
+            raise ConfigError(f"window={FLAGS.window}: must be in [1, shift_every="
+                              f"{base.shift_every}]")
+        cells, skipped = sweeps.grid(FLAGS.methods, FLAGS.shapes, [base.max_staleness],
+                                     [int(s) for s in FLAGS.seeds], "limit")
+        for cell in cells:
+            cell.config(base, FLAGS.out_dir)
+    except ConfigError as e:
+        sys.exit(f"invalid configuration: {e}")
+    for s in skipped:
+        print(f"skipped: {s}")
+    rows = sweeps.run_cells(cells, base, FLAGS.out_dir,
+                            lambda config: run_program(config, make_program,
+                                                       progress=FLAGS.progress),
+                            progress=FLAGS.progress)
+    shifts = []
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        rewards = {m["step"]: m["reward_mean"] for m in read_metrics(r["run_dir"], "train")}
+        evals = {}
+        for m in read_metrics(r["run_dir"], "eval"):  # binned as in the plot
+            evals.setdefault(m["step"] // max(base.eval_every, 1) * max(base.eval_every, 1),
+                             m["eval_accuracy"])
+        for rec in recovery(rewards, base.shift_every, base.max_steps, FLAGS.window,
+                            FLAGS.recover_fraction, evals):
+            shifts.append({"method": r["method"], "batch_shape": r["batch_shape"],
+                           "seed": r["seed"], **rec})
+    sweeps.write_csv(shifts, os.path.join(FLAGS.out_dir, "recovery.csv"), RECOVERY_COLUMNS)
+    title = (f"online shift every {base.shift_every} versions, max_staleness="
+             f"{base.max_staleness}, seeds={','.join(FLAGS.seeds)}")
+    path = plot(rows, base.shift_every, base.max_steps, max(base.eval_every, 1),
+                os.path.join(FLAGS.out_dir, "online_shift.png"), title)
+    print(f"{'method':<18} {'shift':>5} {'pre level':>9} {'dip':>6} {'phase mean':>10} "
+          f"{'steps to recover':>16} {'eval pre->at shift':>18} {'eval steps back':>15}")
+    keys = sorted({(s["method"], s["batch_shape"], s["shift"]) for s in shifts})
+    for method, shape, j in keys:
+        group = [s for s in shifts if (s["method"], s["batch_shape"], s["shift"]) == (method, shape, j)]
+        rec = [s["steps_to_recover"] for s in group]
+        done = [x for x in rec if x is not None]
+        shown = ",".join("-" if x is None else str(x) for x in rec)
+        print(f"{method + ' ' + shape:<18} {j:>5} "
+              f"{sum(s['pre_level'] for s in group) / len(group):>9.3f} "
+              f"{sum(s['dip'] for s in group) / len(group):>6.3f} "
+              f"{sum(s['phase_mean_reward'] for s in group) / len(group):>10.3f} "
+              f"{shown:>16} {_eval_pair(group):>18} {_eval_back(group):>15}"
+              + (f"  (reward recovery mean {sum(done) / len(done):.1f})" if done else ""))
+    sweeps.copy_results(FLAGS.out_dir, FLAGS.results_dir,
+                        ("results.csv", "recovery.csv", "online_shift.png"))
+    failed = [r for r in rows if r.get("status") != "ok"]
+    print(f"{len(rows)} runs, {len(failed)} failed; results: "
+          f"{os.path.join(FLAGS.out_dir, 'results.csv')}, recovery.csv; plot: {path}")
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,149 @@
+"""The GRPO baseline (config algorithm=grpo): G rollouts per prompt, group-normalised advantages.
+
+Actors in group mode (config group_size=G) roll out each prompt G times and insert the G
+rollouts together (they share `group_id`). A learner step trains on B = P x G rollouts: P whole
+groups. Every action token of rollout i in group g gets
+
+    A_i = (R_i - mean_g R) / (std_g R + eps)       (std: unbiased, as TRL; scale_by_std=False
+                                                    drops the division, as Dr. GRPO does)
+
+No critic. The policy loss is config.policy_loss: `ppo_clip` (old log-probs recomputed by the
+learner) is GRPO, `dis` is "GRPO w/ DIS"; tis, icepop and none are available too.
+
+Staleness stays per token: a group is trained only if every member's staleness (learner version
+minus the oldest version among its action tokens) is <= max_staleness; otherwise the whole group
+is dropped and its rollouts counted in dropped_stale. Groups may arrive interleaved with other
+actors' rollouts; `GroupAssembler` holds members until their group is complete.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from typing import Callable, Dict, Hashable, List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from sao_actor_learner.learner.baselines import (CriticFreeLearner, baseline_stats,
+                                                 broadcast_to_action_tokens, sequence_rewards)
+from sao_actor_learner.types import Batch, Rollout
+
+
+def group_normalized_advantages(rewards: torch.Tensor, group_ids: Sequence[Hashable],
+                                scale_by_std: bool = True, eps: float = 1e-6
+                                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-rollout GRPO advantages and the group means.
+
+    rewards: [B] float; group_ids: B hashable ids (members of a group need not be adjacent).
+    Returns (advantages [B], group_mean [B]). A group of one rollout has advantage 0; with
+    scale_by_std, a group whose rewards are all equal has advantage 0 too.
+    """
+    rewards = torch.as_tensor(rewards, dtype=torch.float64)
+    if len(group_ids) != rewards.shape[0]:
+        raise ValueError(f"{len(group_ids)} group ids for {rewards.shape[0]} rewards")
+    index: Dict[Hashable, List[int]] = collections.defaultdict(list)
+    for i, g in enumerate(group_ids):
+        index[g].append(i)
+    adv = torch.zeros_like(rewards)
+    means = torch.zeros_like(rewards)
+    for members in index.values():
+        idx = torch.as_tensor(members)
+        r = rewards[idx]
+        mean = r.mean()
+        a = r - mean
+        if scale_by_std and len(members) > 1:
+            a = a / (r.std(unbiased=True) + eps)
+        adv[idx] = a
+        means[idx] = mean
+    return adv, means
+
+
+class GroupAssembler:
+    """Collects rollouts into whole groups of `group_size` by group_id.
+
+    Complete groups come out in the order they completed. `drop_stale` removes every group
+    (complete or not) with a stale member and returns how many rollouts it removed.
+    """
+
+    def __init__(self, group_size: int):
+        if group_size < 1:
+            raise ValueError(f"group_size={group_size}: must be >= 1")
+        self.group_size = group_size
+        self._pending: "collections.OrderedDict[Hashable, List[Rollout]]" = collections.OrderedDict()
+        self._complete: "collections.deque[List[Rollout]]" = collections.deque()
+
+    @property
+    def num_complete(self) -> int:
+        return len(self._complete)
+
+    @property
+    def num_buffered(self) -> int:
+        """Rollouts held, in complete and incomplete groups."""
+        return sum(len(g) for g in self._complete) + sum(len(g) for g in self._pending.values())
+
+    def add(self, rollouts: Sequence[Rollout]) -> None:
+        for r in rollouts:
+            members = self._pending.setdefault(r.group_id, [])
+            members.append(r)
+            if len(members) == self.group_size:
+                self._complete.append(self._pending.pop(r.group_id))
+
+    def drop_stale(self, is_stale: Callable[[Rollout], bool]) -> int:
+        dropped = 0
+        keep = collections.deque()
+        for g in self._complete:
+            if any(is_stale(r) for r in g):
+                dropped += len(g)
+            else:
+                keep.append(g)
+        self._complete = keep
+        for gid in [gid for gid, g in self._pending.items() if any(is_stale(r) for r in g)]:
+            dropped += len(self._pending.pop(gid))
+        return dropped
+
+    def pop_complete(self, max_groups: int) -> List[List[Rollout]]:
+        out = []
+        while self._complete and len(out) < max_groups:
+            out.append(self._complete.popleft())
+        return out
+
+
+class GRPOLearner(CriticFreeLearner):
+    """GRPO in the SAO learner framework: group sampling and group-normalised advantages."""
+
+    def __init__(self, config, policy, **kwargs):
+        super().__init__(config, policy, **kwargs)
+        self.assembler = GroupAssembler(config.group_size)
+
+    def compute_advantages(self, batch: Batch) -> Dict[str, torch.Tensor]:
+        rewards = sequence_rewards(batch).double()
+        adv, means = group_normalized_advantages(rewards, [r.group_id for r in batch.rollouts],
+                                                 self.config.grpo_scale_by_std)
+        return {"advantages": broadcast_to_action_tokens(adv, batch.action_mask),
+                "rewards": rewards, "baseline": means}
+
+    def sample_fresh(self, n: int) -> Tuple[List[Rollout], float, int]:
+        """n // G whole groups, none with a member staler than max_staleness (stale groups are
+        dropped and counted). Returns (rollouts, seconds spent waiting, dropped now)."""
+        G = self.config.group_size
+        want_groups = n // G
+        groups: List[List[Rollout]] = []
+        waited, dropped = 0.0, 0
+
+        def is_stale(r: Rollout) -> bool:
+            return self.staleness_of(r) > self.config.max_staleness
+
+        while len(groups) < want_groups and not self._stop.is_set():
+            stale = self.assembler.drop_stale(is_stale)
+            if stale:
+                dropped += stale
+                self.dropped_stale += stale
+                self.publish_progress()  # admission credit, as in SAOLearner.sample_fresh
+            groups += self.assembler.pop_complete(want_groups - len(groups))
+            if len(groups) >= want_groups:
+                break
+            missing = (want_groups - len(groups)) * G - self.assembler.num_buffered
+            t0 = time.time()
+            self.assembler.add(self._reader.sample(max(missing, G), timeout_s=1.0))
+            waited += time.time() - t0
+        return [r for g in groups for r in g], waited, dropped

@@ -1,0 +1,263 @@
+"""Keeping strangers out of the variable server: a shared secret, bind rules, TLS, and a check of
+every published payload before any client can fetch it.
+
+- Auth token: when a `VariableServer` has an `auth_token`, every call (Publish, LatestVersion,
+  FetchWeights, Admit) must carry it in metadata `x-sao-auth-token`, else it is answered
+  UNAUTHENTICATED before its request is read. Clients send it on every call. The program takes
+  it from `--auth_token` or the environment variable SAO_AUTH_TOKEN (`resolve_auth_token`); it
+  is never written to config.json.
+- Publishing needs, in addition, the publisher token (`x-sao-publisher-token`), which the
+  program makes at launch and gives to the learner alone.
+- Binding: services bind 127.0.0.1 unless told otherwise; binding any other address without an
+  auth token is refused (`check_bind`), because then anyone on the network could call them.
+- TLS (optional): with a certificate and key the server listens with TLS only; clients then
+  trust that certificate (or a CA's) as their root (`server_credentials`,
+  `channel_credentials`). Without TLS the token travels in clear text: use TLS off-machine.
+- Payload check: `SafetensorsValidator` parses a safetensors payload's header (no torch: the
+  variable server never imports it) and refuses a version whose tensor names, dtypes or shapes
+  differ from the expected manifest (given, or pinned from the first version published), whose
+  data offsets do not tile the buffer exactly (a truncated or padded stream), or, optionally,
+  which holds NaN or infinite floats. The sha256 of the whole payload is checked before it.
+
+Reverb (the replay node) has no authentication and listens on all interfaces whatever it is
+told: on a shared network, firewall its port.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from typing import Dict, Mapping, Optional, Tuple
+
+import numpy as np
+
+AUTH_TOKEN_METADATA_KEY = "x-sao-auth-token"
+AUTH_TOKEN_ENV = "SAO_AUTH_TOKEN"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+MIN_AUTH_TOKEN_CHARS = 16
+# A safetensors header larger than this is refused (the format's own limit is 100 MB).
+MAX_HEADER_BYTES = 100 << 20
+
+# safetensors dtype names -> numpy dtypes (for the optional finiteness check) and item sizes.
+_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1,
+                "BOOL": 1}
+_FLOAT_NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
+
+Manifest = Dict[str, Tuple[str, Tuple[int, ...]]]   # tensor name -> (dtype, shape)
+
+
+def resolve_auth_token(token: Optional[str] = None) -> str:
+    """`token` when given (not None), else $SAO_AUTH_TOKEN, else "" (no token)."""
+    if token is not None:
+        return token
+    return os.environ.get(AUTH_TOKEN_ENV, "")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only."""
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def check_bind(host: str, auth_token: str, what: str = "a service") -> None:
+    """Raises ValueError when `host` is not a loopback address and there is no usable token."""
+    if is_loopback(host):
+        return
+    if not auth_token:
+        raise ValueError(
+            f"bind_host={host!r}: binding {what} to a non-loopback address needs an auth token "
+            f"(--auth_token or ${AUTH_TOKEN_ENV}), else anyone on the network may call it; set "
+            "one, or bind 127.0.0.1")
+    if len(auth_token) < MIN_AUTH_TOKEN_CHARS:
+        raise ValueError(
+            f"the auth token has {len(auth_token)} characters: use at least "
+            f"{MIN_AUTH_TOKEN_CHARS} random ones (e.g. `python -c 'import secrets; "
+            "print(secrets.token_hex(16))'`) when binding a non-loopback address")
+
+
+def read_file_bytes(path: str, what: str) -> bytes:
+    """The bytes of `path`; FileNotFoundError naming what it should hold."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} {path!r} does not exist (a PEM file)")
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def server_credentials(cert_chain: bytes, private_key: bytes):
+    """gRPC TLS credentials of a server from PEM bytes."""
+    import grpc
+    return grpc.ssl_server_credentials([(private_key, cert_chain)])
+
+
+def channel_credentials(root_cert: bytes):
+    """gRPC TLS credentials of a client that trusts `root_cert` (PEM bytes)."""
+    import grpc
+    return grpc.ssl_channel_credentials(root_certificates=root_cert)
+
+
+def auth_interceptor(auth_token: str):
+    """A gRPC client interceptor that adds the auth token to the metadata of every call."""
+    import grpc
+
+    class _Details(grpc.ClientCallDetails):
+        def __init__(self, details, metadata):
+            self.method = details.method
+            self.timeout = details.timeout
+            self.metadata = metadata
+            self.credentials = details.credentials
+            self.wait_for_ready = getattr(details, "wait_for_ready", None)
+            self.compression = getattr(details, "compression", None)
+
+    class _AuthInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                           grpc.StreamUnaryClientInterceptor,
+                           grpc.StreamStreamClientInterceptor):
+        def _with_token(self, details):
+            metadata = [m for m in (details.metadata or ()) if m[0] != AUTH_TOKEN_METADATA_KEY]
+            return _Details(details, metadata + [(AUTH_TOKEN_METADATA_KEY, auth_token)])
+
+        def intercept_unary_unary(self, continuation, details, request):
+            return continuation(self._with_token(details), request)
+
+        def intercept_unary_stream(self, continuation, details, request):
+            return continuation(self._with_token(details), request)
+
+        def intercept_stream_unary(self, continuation, details, request_iterator):
+            return continuation(self._with_token(details), request_iterator)
+
+        def intercept_stream_stream(self, continuation, details, request_iterator):
+            return continuation(self._with_token(details), request_iterator)
+
+    return _AuthInterceptor()
+
+
+class PayloadRejected(ValueError):
+    """A published payload failed validation; the message says what is wrong."""
+
+
+def safetensors_manifest(payload) -> Manifest:
+    """{name: (dtype, shape)} of a safetensors payload, after checking its layout.
+
+    Raises PayloadRejected when the header is missing, not JSON, names an unknown dtype, or when
+    the tensors' data offsets do not tile the data section exactly.
+    """
+    view = memoryview(payload).cast("B")
+    header, data_start = _header(view)
+    manifest: Manifest = {}
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+            raise PayloadRejected(f"tensor {name!r}: header entry {str(entry)[:100]!r} lacks "
+                                  "dtype, shape or data_offsets")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in _DTYPE_SIZES:
+            raise PayloadRejected(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise PayloadRejected(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+            raise PayloadRejected(f"tensor {name!r}: data_offsets {offsets!r} are invalid")
+        expected = _DTYPE_SIZES[dtype] * int(np.prod(shape, dtype=np.int64))
+        if offsets[1] - offsets[0] != expected:
+            raise PayloadRejected(f"tensor {name!r}: {offsets[1] - offsets[0]} bytes of data for "
+                                  f"{dtype}{tuple(shape)}, which needs {expected}")
+        manifest[name] = (dtype, tuple(shape))
+        spans.append((offsets[0], offsets[1], name))
+    data_bytes = view.nbytes - data_start
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            raise PayloadRejected(f"tensor {name!r} starts at byte {begin} of the data, expected "
+                                  f"{position}: tensors overlap or leave a gap")
+        position = end
+    if position != data_bytes:
+        raise PayloadRejected(f"the tensors cover {position} bytes but the payload carries "
+                              f"{data_bytes} bytes of data: truncated or padded")
+    if not manifest:
+        raise PayloadRejected("the payload holds no tensors")
+    return manifest
+
+
+def _header(view: memoryview) -> Tuple[dict, int]:
+    if view.nbytes < 8:
+        raise PayloadRejected(f"{view.nbytes} bytes: too short for a safetensors payload (an "
+                              "8-byte header length comes first)")
+    (length,) = struct.unpack("<Q", view[:8])
+    if length > MAX_HEADER_BYTES or 8 + length > view.nbytes:
+        raise PayloadRejected(f"safetensors header length {length} does not fit the "
+                              f"{view.nbytes}-byte payload")
+    try:
+        header = json.loads(bytes(view[8:8 + length]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise PayloadRejected(f"safetensors header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise PayloadRejected("safetensors header is not a JSON object")
+    return header, 8 + length
+
+
+def _describe_mismatch(expected: Manifest, got: Manifest) -> str:
+    problems = []
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    if missing:
+        problems.append(f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected[:5]}"
+                        f"{' ...' if len(unexpected) > 5 else ''}")
+    for name in sorted(set(expected) & set(got)):
+        if expected[name] != got[name]:
+            problems.append(f"{name}: {got[name][0]}{list(got[name][1])} != expected "
+                            f"{expected[name][0]}{list(expected[name][1])}")
+        if len(problems) >= 8:
+            break
+    return "; ".join(problems)
+
+
+class SafetensorsValidator:
+    """Checks each published payload before the variable server makes it visible.
+
+    Call as `validator(version, payload, format)`; raises PayloadRejected (a ValueError) with
+    what is wrong. `expected`: the manifest every version must match; None pins the manifest of
+    the first version that passes the layout checks. `check_finite`: also refuse NaN/inf in
+    F16/F32/F64 tensors (reads every float: O(payload)).
+    """
+
+    def __init__(self, expected: Optional[Mapping[str, Tuple[str, Tuple[int, ...]]]] = None,
+                 check_finite: bool = True) -> None:
+        self._expected: Optional[Manifest] = (
+            {k: (d, tuple(s)) for k, (d, s) in expected.items()} if expected else None)
+        self.check_finite = check_finite
+        self._lock = threading.Lock()
+
+    @property
+    def expected(self) -> Optional[Manifest]:
+        return self._expected
+
+    def __call__(self, version: int, payload, format: str) -> None:  # noqa: A002
+        if format not in ("safetensors", ""):
+            raise PayloadRejected(f"format {format!r}: this server accepts safetensors payloads "
+                                  "only")
+        manifest = safetensors_manifest(payload)
+        with self._lock:
+            if self._expected is None:
+                self._expected = manifest
+            elif manifest != self._expected:
+                raise PayloadRejected("tensor names, dtypes or shapes differ from the model's: "
+                                      + _describe_mismatch(self._expected, manifest))
+        if self.check_finite:
+            self._check_finite(payload)
+
+    @staticmethod
+    def _check_finite(payload) -> None:
+        view = memoryview(payload).cast("B")
+        header, start = _header(view)
+        for name, entry in header.items():
+            if name == "__metadata__" or entry["dtype"] not in _FLOAT_NUMPY:
+                continue
+            begin, end = entry["data_offsets"]
+            values = np.frombuffer(view[start + begin:start + end],
+                                   dtype=_FLOAT_NUMPY[entry["dtype"]])
+            if not np.isfinite(values.sum(dtype=np.float64)) and not np.isfinite(values).all():
+                raise PayloadRejected(f"tensor {name!r} holds NaN or infinite values")

@@ -1,0 +1,430 @@
+"""VLLMEngine against a real vLLM server (`.venv-vllm`, CPU) serving a tiny locally built Llama.
+
+One server is started per module (the `served` fixture); tests share it and load the weights they
+need first (an update takes ~0.05 s). The model's LM head is scaled up with the <eos> row zeroed,
+so <eos> is rarely sampled and long in-flight generations mostly run to their length limit.
+
+Run by `make test` when `.venv-vllm` exists (`make vllm-env` builds it); skipped otherwise.
+"""
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from sao_actor_learner.config import ConfigError, SAOConfig
+from sao_actor_learner.core import Engine, SamplingParams
+from sao_actor_learner.engines import VLLMEngine, VLLMServer, VLLMServerError
+from sao_actor_learner.engines.torch_engine import _top_p_logprobs
+from sao_actor_learner.engines.vllm_engine import SERVER_DIR, resolve_vllm_python
+from sao_actor_learner.engines.vllm_server import procs
+from sao_actor_learner.models import CharTokenizer, make_tiny_model, save_checkpoint
+
+VLLM_PYTHON = resolve_vllm_python()
+pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON),
+                                reason=f"no vLLM environment at {VLLM_PYTHON}: `make vllm-env`")
+torch.set_num_threads(1)
+TOK = CharTokenizer()
+PROMPTS = [TOK.encode(t) for t in ["1+2=", "37+45=", "9", "(a,b): [x/y] <z>?", "12*3-4="]]
+ATOL = 1e-4          # vLLM log-probs vs a teacher-forced transformers forward (measured < 3e-5)
+LONG = 300           # tokens per in-flight request in the keep/abort tests
+MAX_POS = 512
+
+
+def tiny_model(seed: int):
+    model = make_tiny_model("llama", vocab_size=TOK.vocab_size, seed=seed,
+                            max_position_embeddings=MAX_POS)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+        model.lm_head.weight[TOK.eos_id].zero_()
+    return model
+
+
+def perturbed(state_dict, seed: int, scale: float = 0.05):
+    g = torch.Generator().manual_seed(seed)
+    out = {k: v + scale * torch.randn(v.shape, generator=g) for k, v in state_dict.items()}
+    out["lm_head.weight"][TOK.eos_id] = 0.0  # <eos> stays (practically) never sampled
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(engine on version 7, the reference HF model, its state dict, the server log path)."""
+    path = str(tmp_path_factory.mktemp("vllm_ckpt"))
+    model = tiny_model(seed=3)
+    save_checkpoint(model, TOK, path)
+    log = os.path.join(path, "vllm_server.log")
+    engine = VLLMEngine.from_checkpoint(path, version=7, log_path=log, max_restarts=3,
+                                        start_timeout_s=400)
+    yield engine, model, {k: v.clone() for k, v in model.state_dict().items()}, log
+    pid = engine.server.pid
+    group = procs.group_pids(pid)
+    shm = procs.shm_files(group) | engine.server.shm_files
+    assert len(group) >= 2 and shm, "expected an api server, an engine core and shared memory"
+    engine.close()
+    assert not [p for p in group if _pid_alive(p)], "close() left vLLM processes running"
+    assert not [f for f in shm if os.path.exists(f)], "close() left vLLM's shared memory"
+
+
+_VERSION = [100]
+
+
+def load(engine, model, state_dict):
+    """Loads `state_dict` into both the engine (a new version) and the reference model."""
+    _VERSION[0] += 1
+    engine.load_weights(state_dict, _VERSION[0])
+    model.load_state_dict(state_dict)
+    return _VERSION[0]
+
+
+def teacher_forced(model, prompt, tokens, temperature=1.0, top_p=1.0):
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([list(prompt) + list(tokens)])).logits[0].float()
+    logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+    if top_p < 1.0:
+        logp = _top_p_logprobs(logp, top_p)
+    return logp[len(prompt) - 1:-1].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# --- log-probs, sampling, prompts ----------------------------------------------------------------
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (0.0, 1.0), (1.3, 0.9)])
+def test_logprobs_equal_teacher_forced_torch_forward(served, temperature, top_p):
+    engine, model, base, _ = served
+    assert isinstance(engine, Engine)
+    version = load(engine, model, base)
+    gens = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=temperature,
+                                                   top_p=top_p, seed=5))
+    assert len(gens) == len(PROMPTS)
+    for p, g in zip(PROMPTS, gens):
+        assert len(g.tokens) == len(g.logprobs) == len(g.versions) == 12
+        assert g.versions == [version] * 12 and g.finish_reason == "length"
+        ref = teacher_forced(model, p, g.tokens, temperature, top_p)
+        torch.testing.assert_close(torch.tensor(g.logprobs), ref, atol=ATOL, rtol=0)
+    if top_p < 1.0:  # renormalised over the nucleus: a token alone in it has log-prob 0
+        assert any(lp == 0.0 for g in gens for lp in g.logprobs)
+
+
+def test_greedy_stop_tokens_seeds_and_bad_prompts(served):
+    engine, model, base, _ = served
+    load(engine, model, base)
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    free = engine.generate(PROMPTS, greedy)
+    for p, g in zip(PROMPTS, free):  # greedy = argmax of a full forward, token by token
+        seq = list(p)
+        for t in g.tokens:
+            with torch.no_grad():
+                assert int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()) == t
+            seq.append(t)
+    # A stop token ends a row there, included, with finish_reason "stop".
+    stop = free[1].tokens[3]
+    stopped = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, temperature=0.0,
+                                                      stop_token_ids=(stop,)))
+    for f, s in zip(free, stopped):
+        if stop in f.tokens:
+            assert s.tokens == f.tokens[:f.tokens.index(stop) + 1] and s.finish_reason == "stop"
+        else:
+            assert s.tokens == f.tokens and s.finish_reason == "length"
+    seeded = SamplingParams(max_new_tokens=8, temperature=1.0, seed=11)
+    a, b = engine.generate(PROMPTS, seeded), engine.generate(PROMPTS, seeded)
+    c = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0, seed=12))
+    assert [g.tokens for g in a] == [g.tokens for g in b]
+    assert [g.tokens for g in a] != [g.tokens for g in c]
+    # Room left in max_model_len bounds the length.
+    long_prompt = [TOK.bos_id] + [5] * (MAX_POS - 4)  # 3 tokens of room
+    (g,) = engine.generate([long_prompt], SamplingParams(max_new_tokens=10, temperature=0.0))
+    assert len(g.tokens) == 3 and g.finish_reason == "length"
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[1, 4], []], greedy)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[1, 999]], greedy)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate([[1] * MAX_POS], greedy)
+
+
+# --- weight updates ------------------------------------------------------------------------------
+def test_weight_update_changes_generations_and_carries_the_version(served):
+    engine, model, base, _ = served
+    params = SamplingParams(max_new_tokens=10, temperature=0.0)
+    load(engine, model, base)
+    before = engine.generate(PROMPTS, params)
+    version = load(engine, model, perturbed(base, seed=1))
+    assert engine.version == version
+    after = engine.generate(PROMPTS, params)   # same prompts: prefix-cache hits would be stale
+    assert [g.tokens for g in after] != [g.tokens for g in before]
+    for p, g in zip(PROMPTS, after):
+        assert g.versions == [version] * len(g.tokens)
+        torch.testing.assert_close(torch.tensor(g.logprobs), teacher_forced(model, p, g.tokens),
+                                   atol=ATOL, rtol=0)
+    assert engine.last_update_s is not None and engine.last_update_s < 30
+
+
+def test_bad_weights_are_rejected_and_the_server_keeps_serving(served, tmp_path):
+    engine, model, base, _ = served
+    version = load(engine, model, base)
+    pid = engine.server.pid
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    before = engine.generate(PROMPTS, params)
+    bad = {
+        "wrong shape": ({**base, "lm_head.weight": torch.zeros(TOK.vocab_size + 1, 128)},
+                        r"lm_head.weight: shape \(56, 128\) != served \(55, 128\)"),
+        "missing key": ({k: v for k, v in base.items() if k != "model.norm.weight"},
+                        r"missing keys \[model.norm.weight\]"),
+        "extra key": ({**base, "model.layers.9.mlp.up_proj.weight": torch.zeros(3)},
+                      r"unexpected keys \[model.layers.9.mlp.up_proj.weight\]"),
+        "wrong dtype": ({**base, "model.norm.weight": base["model.norm.weight"].double()},
+                        r"model.norm.weight: dtype float64 != served float32"),
+        "not finite": ({**base, "model.norm.weight": torch.full((128,), float("nan"))},
+                       r"model.norm.weight: has non-finite values"),
+    }
+    for name, (state_dict, message) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            engine.load_weights(state_dict, version + 50)
+    # The server's backend validates too (nothing is loaded): bypass the client's check.
+    from safetensors.torch import save_file
+    bad_file = str(tmp_path / "bad.safetensors")
+    save_file({**base, "lm_head.weight": torch.zeros(3, 3)}, bad_file)
+    with pytest.raises(Exception, match="weight update rejected"):
+        engine._push(bad_file, version + 60, "keep")
+    assert engine.version == version and engine.server.pid == pid and engine.server.alive()
+    after = engine.generate(PROMPTS, params)
+    assert [g.tokens for g in after] == [g.tokens for g in before]
+    assert {v for g in after for v in g.versions} == {version}
+    assert engine.counters["rejected_weight_updates"] >= len(bad)
+
+
+def _stream_until(engine, prompt, n_tokens: int):
+    """Opens a streaming generate request (a sentinel) and returns once it has n_tokens tokens.
+
+    vLLM schedules requests first come, first served and steps all running requests together,
+    so requests sent before the sentinel have sampled at least as many tokens by then."""
+    conn = http.client.HTTPConnection("127.0.0.1", engine.server.port, timeout=120)
+    conn.request("POST", "/inference/v1/generate", json.dumps({
+        "token_ids": prompt, "stream": True,
+        "sampling_params": {"max_tokens": MAX_POS - 8, "temperature": 1.0, "detokenize": False}}),
+        {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    seen = 0
+    while seen < n_tokens:
+        line = resp.readline().decode()
+        assert line, "the sentinel stream ended early"
+        if line.startswith("data:") and "[DONE]" not in line:
+            seen += len(json.loads(line[5:])["choices"][0].get("token_ids") or [])
+    return conn
+
+
+def _update_mid_flight(engine, model, old_state_dict, new_state_dict, n=24, attempts=4):
+    """Loads old_state_dict, starts n long generations, loads new_state_dict once they are all
+    running and have sampled a few tokens; returns (prompts, generations, old and new version).
+
+    On a busy machine the server's output can lag its engine so far that the generations end
+    before the update reaches them; then the attempt is repeated."""
+    prompts = [TOK.encode(f"{i}+{i}=") for i in range(n)]
+    params = SamplingParams(max_new_tokens=LONG, temperature=1.0, seed=0)
+    for _ in range(attempts):
+        old_version = load(engine, model, old_state_dict)
+        in_flight0 = engine.counters["in_flight"]
+        out = {}
+        worker = threading.Thread(target=lambda: out.update(g=engine.generate(prompts, params)))
+        worker.start()
+        deadline = time.time() + 60
+        while engine.counters["in_flight"] - in_flight0 < n and time.time() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.01)  # the requests are sent; let the server take them in before the sentinel
+        sentinel = _stream_until(engine, TOK.encode("0+0="), 3)
+        new_version = load(engine, model, new_state_dict)
+        sentinel.close()
+        worker.join(timeout=300)
+        gens = out["g"]
+        if any(new_version in g.versions for g in gens):
+            return prompts, gens, old_version, new_version
+    pytest.fail(f"the generations finished before the update in all {attempts} attempts")
+
+
+def _check_length(g):
+    """A long generation runs to LONG tokens, or (rarely: <eos> is only made unlikely) ends at
+    an <eos>."""
+    if g.finish_reason == "length":
+        assert len(g.tokens) == LONG
+    else:
+        assert g.finish_reason == "stop" and g.tokens[-1] == TOK.eos_id and len(g.tokens) <= LONG
+
+
+def test_keep_mode_in_flight_requests_switch_weights_mid_generation(served):
+    engine, model, base, _ = served
+    engine.weight_sync_mode = "keep"
+    old_model = tiny_model(seed=3)
+    old_model.load_state_dict(base)
+    prompts, gens, old_version, new_version = _update_mid_flight(
+        engine, model, base, perturbed(base, seed=2))
+    switched = 0
+    for p, g in zip(prompts, gens):
+        _check_length(g)
+        assert set(g.versions) <= {old_version, new_version}
+        assert g.versions == sorted(g.versions)            # one switch at most, old then new
+        k = g.versions.count(old_version)
+        switched += 0 < k < len(g.tokens)
+        # Tokens before the switch were sampled by the old weights, after it by the new ones
+        # (with the KV of the whole prefix recomputed: no stale cache).
+        lp = torch.tensor(g.logprobs)
+        torch.testing.assert_close(lp[:k], teacher_forced(old_model, p, g.tokens)[:k],
+                                   atol=ATOL, rtol=0)
+        torch.testing.assert_close(lp[k:], teacher_forced(model, p, g.tokens)[k:],
+                                   atol=ATOL, rtol=0)
+    assert switched >= len(prompts) // 2, f"only {switched} generations saw the switch"
+
+
+def test_abort_mode_in_flight_requests_restart_on_new_weights(served):
+    engine, model, base, _ = served
+    engine.weight_sync_mode = "abort"
+    resent0 = engine.counters["aborted_and_resent"]
+    try:
+        prompts, gens, _, new_version = _update_mid_flight(engine, model, base,
+                                                           perturbed(base, seed=3))
+    finally:
+        engine.weight_sync_mode = "keep"
+    assert engine.counters["aborted_and_resent"] - resent0 >= len(prompts) // 2
+    for p, g in zip(prompts, gens):
+        _check_length(g)
+        assert g.versions == [new_version] * len(g.tokens)
+        torch.testing.assert_close(torch.tensor(g.logprobs), teacher_forced(model, p, g.tokens),
+                                   atol=ATOL, rtol=0)
+
+
+# --- server failures -----------------------------------------------------------------------------
+def test_dead_server_is_restarted_with_the_latest_weights(served):
+    engine, model, base, log = served
+    version = load(engine, model, perturbed(base, seed=4))
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    before = engine.generate(PROMPTS, params)
+    old_pid = engine.server.pid
+    # vLLM's engine core (a child of the api server) dies: the api server answers 500 / 503.
+    children = subprocess.run(["pgrep", "-P", str(old_pid)], capture_output=True,
+                              text=True).stdout.split()
+    assert children, "the vLLM api server has no child processes"
+    for child in map(int, children):
+        if not procs.is_resource_tracker(child):
+            os.kill(child, signal.SIGKILL)
+    after = engine.generate(PROMPTS, params)              # restarts the server, then re-sends
+    assert engine.server.pid != old_pid and engine.server.alive()
+    assert engine.counters["server_restarts"] == 1
+    assert not _pid_alive(old_pid)
+    # The whole server goes the same way; its shared memory is unlinked all the same. (Its
+    # resource tracker survives, as it would a crash, and unlinks its semaphores.)
+    shm = set(engine.server.shm_files)
+    assert shm
+    for pid in procs.group_pids(engine.server.pid):
+        if not procs.is_resource_tracker(pid):
+            os.kill(pid, signal.SIGKILL)
+    engine.server.process.wait(timeout=30)
+    again = engine.generate(PROMPTS, params)
+    assert not [f for f in shm if os.path.exists(f)]
+    assert engine.counters["server_restarts"] == 2 and engine.server.alive()
+    assert [g.tokens for g in again] == [g.tokens for g in before]
+    assert [g.tokens for g in after] == [g.tokens for g in before]
+    assert {v for g in after for v in g.versions} == {version} and engine.version == version
+    with open(log) as f:
+        assert f.read().count("=== sao: starting vLLM server") == 3
+
+
+def test_server_start_failures_are_actionable(tmp_path, served):
+    _, _, _, _ = served  # reuse the module's checkpoint folder
+    ckpt = os.path.dirname(served[3])
+    missing = VLLMServer(ckpt, python=str(tmp_path / "nope" / "python"))
+    with pytest.raises(VLLMServerError, match="make vllm-env"):
+        missing.start()
+    slow = VLLMServer(ckpt, log_path=str(tmp_path / "slow.log"), start_timeout_s=1.0)
+    with pytest.raises(VLLMServerError, match="did not answer /health within start_timeout_s=1"):
+        slow.start()
+    assert not _pid_alive(slow.pid)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    dead = VLLMServer(str(broken), log_path=str(tmp_path / "dead.log"), start_timeout_s=300)
+    with pytest.raises(VLLMServerError, match="exited with code .* during start-up") as info:
+        dead.start()
+    assert "last lines" in str(info.value) and "no_such_architecture" in str(info.value)
+
+
+def test_server_stops_when_its_parent_is_killed(tmp_path, served):
+    """The watchdog in serve.py ends the server when the process that started it dies."""
+    ckpt = os.path.dirname(served[3])
+    log = tmp_path / "orphan.log"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time\n"
+            "from sao_actor_learner.engines.vllm_engine import VLLMServer, free_port\n"
+            f"s = VLLMServer({ckpt!r}, log_path={str(log)!r})\n"
+            "s.port = free_port()\n"
+            "import subprocess\n"
+            "p = subprocess.Popen(s.command(), env=s.environment(), start_new_session=True,\n"
+            "                     stdout=open(s.log_path, 'a'), stderr=subprocess.STDOUT)\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(600)\n")],
+        stdout=subprocess.PIPE, text=True)
+    server_pid = int(parent.stdout.readline())
+    time.sleep(2.0)
+    assert _pid_alive(server_pid)
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and _pid_alive(server_pid):
+        time.sleep(0.2)
+    assert not _pid_alive(server_pid)
+    assert "is gone; stopping the server" in log.read_text()
+    assert not procs.group_pids(server_pid)
+
+
+# --- the vLLM-side code and the config -----------------------------------------------------------
+def test_server_code_imports_nothing_from_the_main_environment():
+    code = ("import sys\n"
+            "import vllm_server.weight_transfer as wt, vllm_server.worker_extension as we\n"
+            "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory\n"
+            "assert wt.BACKEND_NAME in WeightTransferEngineFactory._registry\n"
+            "assert not [m for m in sys.modules if m.startswith(('sao_actor_learner', 'absl',"
+            " 'reverb', 'tensorflow'))]\n"
+            "e = {'a': ((2, 3), 'float32'), 'b': ((4,), 'float32')}\n"
+            "print(wt.compare_weights(e, {'a': ((3, 2), 'float32'), 'c': ((4,), 'float16')}))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.path.dirname(SERVER_DIR)
+    out = subprocess.run([VLLM_PYTHON, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ("['missing [b] (1)', 'unexpected [c] (1)', 'a: shape (3, 2) != served (2, 3)']"
+            in out.stdout)
+
+
+def test_config_validates_the_vllm_fields(tmp_path):
+    with pytest.raises(ConfigError, match="vllm_python=.*does not exist.*make vllm-env"):
+        SAOConfig(engine="vllm", vllm_python=str(tmp_path / "no_python"))
+    with pytest.raises(ConfigError, match="vllm_weight_sync_mode='pause'"):
+        SAOConfig(engine="vllm", vllm_weight_sync_mode="pause")
+    config = SAOConfig(engine="vllm", vllm_weight_sync_mode="abort")
+    assert SAOConfig.from_json(config.to_json()) == config
+
+
+def test_the_evaluator_keeps_the_torch_engine_unless_asked(served):
+    from sao_actor_learner.builder import make_engine
+    from sao_actor_learner.engines import TorchEngine
+    ckpt = os.path.dirname(served[3])
+    config = SAOConfig(engine="vllm", init_checkpoint=ckpt)
+    assert config.vllm_evaluator is False
+    assert isinstance(make_engine(config, role="evaluator"), TorchEngine)
