@@ -1,7 +1,7 @@
 """Soak test: a long SAO run while nodes are killed at random, then where every rollout went.
 
   python programs/soak.py --run_dir=runs/soak --max_steps=300 --num_actors=4 \
-      --kill_every_s=10 --kill_targets=actor,learner,evaluator,replay
+      --kill_every_s=10 --kill_targets=actor,actor,learner,evaluator
 
 Runs the normal SAO program (every SAOConfig field is a flag; the defaults below differ from
 programs/sao.py: restarts for every group that can restart, learner checkpoints every 10 steps,
@@ -12,13 +12,15 @@ frequent replay checkpoints) and, while it runs, every `kill_every_s` seconds on
     process: the launcher restarts it after its backoff; the learner resumes from its
     checkpoint and journal;
   replay: restarts it on request (`Launched.restart_node`): Reverb checkpoints on the way out
-    and restores. (A SIGKILL of replay returns it to its last periodic checkpoint, losing the
-    inserts since: that is measured, not hidden, with --replay_kill=sigkill.)
+    and restores. Not in the default targets: while actors and the learner keep running, the
+    checkpoint is taken while they still insert and sample, so inserts confirmed during its
+    write are lost and samples taken then come back (trained twice); the report counts both.
+    With --replay_kill=sigkill it is a SIGKILL instead: back to the last periodic checkpoint.
 
 At the end it prints and writes `<run_dir>/soak_report.json`: steps done, restarts by node,
 faults injected, and the rollout accounting of sao_actor_learner/accounting.py: completed,
-inserted, trained, dropped (by reason), still queued, duplicates and lost. Exits with status 1
-when any rollout was lost.
+inserted, trained, dropped (by reason), still queued, duplicates, lost and trained twice. Exits
+with status 1 when any rollout was lost or trained twice, or the run did not finish.
 """
 import json
 import os
@@ -46,7 +48,7 @@ define_flags_from_dataclass(SAOConfig)
 for _name, _value in SOAK_DEFAULTS.items():
     flags.FLAGS.set_default(_name, list(_value) if isinstance(_value, tuple) else _value)
 flags.DEFINE_float("kill_every_s", 10.0, "Mean seconds between injected faults.")
-flags.DEFINE_list("kill_targets", ["actor", "actor", "learner", "evaluator", "replay"],
+flags.DEFINE_list("kill_targets", ["actor", "actor", "learner", "evaluator"],
                   "Groups to hit, drawn uniformly (repeat one to weight it).")
 flags.DEFINE_enum("replay_kill", "restart", ["restart", "sigkill"],
                   "How replay is hit: a cooperative restart (checkpoint on stop) or SIGKILL.")
@@ -160,6 +162,9 @@ def main(argv):
             "learner_reader_buffered_at_end": accounting["learner_buffered"],
             "in_learner_journal_at_end": accounting["in_learner_journal"],
             "lost": accounting.get("lost"),
+            "lost_in_replay": accounting.get("lost_in_replay"),
+            "lost_in_transit_to_learner": accounting.get("lost_in_transit"),
+            "trained_twice": accounting.get("trained_twice"),
         },
         "faults": faults,
     }
@@ -170,9 +175,10 @@ def main(argv):
     print(f"soak: {report['steps']}/{config.max_steps} steps in {wall:.0f}s, "
           f"{report['faults_injected']} faults, {report['restarts_total']} restarts, "
           f"{accounting['inserted']} inserted, {accounting['trained']} trained, "
-          f"{accounting['dropped_stale']} dropped stale, {lost} lost; report at "
+          f"{accounting['dropped_stale']} dropped stale, {lost} lost, "
+          f"{accounting.get('trained_twice')} trained twice; report at "
           f"{config.run_dir}/soak_report.json")
-    if lost != 0 or report["steps"] != config.max_steps:
+    if lost != 0 or accounting.get("trained_twice") or report["steps"] != config.max_steps:
         sys.exit(1)
 
 

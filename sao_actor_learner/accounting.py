@@ -16,20 +16,26 @@ record:
   learner_buffered  taken from replay by the learner's reader but never used (lost)
   in_learner_journal sampled after the newest learner checkpoint (redone on resume)
 
-and from them
+and from them (replay's own books always balance: replay_inserts = replay_samples +
+queued_in_replay)
 
-  duplicates = replay_inserts - inserted   (an actor killed between replay's confirmation and
-                                            its ledger line inserts that rollout again)
-  lost = inserted + duplicates - (trained + value_pretraining + dropped_stale
-                                  + queued_in_replay + in_learner_journal)
+  duplicates      = replay_inserts - inserted, if > 0 (an actor killed between replay's
+                    confirmation and its ledger line inserts that rollout again)
+  lost_in_replay  = inserted - replay_inserts, if > 0 (replay restored a checkpoint older than
+                    inserts it had confirmed)
+  consumed        = trained + value_pretraining + dropped_stale + in_learner_journal
+  lost_in_transit = replay_samples - consumed - learner_buffered, if > 0 (taken from replay by
+                    a learner killed before its journal had them)
+  trained_twice   = consumed + learner_buffered - replay_samples, if > 0 (replay restored a
+                    checkpoint older than samples it had handed out, and handed them out again)
+  lost            = lost_in_replay + lost_in_transit + learner_buffered
 
-`lost` counts rollouts replay confirmed that no step trained on, no rule dropped and nothing
-holds any more: it is 0 when nothing was lost, and the point of the spool, the journal and the
-replay checkpoints. A negative value means rollouts were trained on twice. Replay restarted with
-SIGKILL (not a cooperative restart) returns to its last periodic checkpoint, so its counters go
-back too (inserts since are lost; samples since come back and are trained again); `lost` then
-shows what that cost. A cooperative restart checkpoints just before it stops; a sample that
-lands in that gap (milliseconds) would come back once more.
+`lost` is 0 when every rollout replay confirmed was trained on, dropped by a rule, or is still
+queued: the point of the spool, the journal and the replay checkpoints. A replay node killed
+with SIGKILL returns to its last periodic checkpoint (lost_in_replay, trained_twice); one
+restarted cooperatively while actors and the learner keep running checkpoints while they still
+insert and sample, so the same can happen for what lands during the checkpoint's write. A
+program stop is exact (actors and learner stop before replay writes its last checkpoint).
 
 Needs Reverb (the replay checkpoint is read by restoring it into a throw-away server).
 """
@@ -81,9 +87,13 @@ def rollout_accounting(run_dir: str, replay_checkpoint_dir: Optional[str] = None
     out.update(replay)
     if replay.get("replay_inserts") is not None:
         out["duplicates"] = max(0, replay["replay_inserts"] - out["inserted"])
-        accounted = (out["trained"] + out["value_pretraining"] + out["dropped_stale"]
-                     + replay["queued_in_replay"] + out["in_learner_journal"])
-        out["lost"] = out["inserted"] + out["duplicates"] - accounted
+        out["lost_in_replay"] = max(0, out["inserted"] - replay["replay_inserts"])
+        consumed = (out["trained"] + out["value_pretraining"] + out["dropped_stale"]
+                    + out["in_learner_journal"])
+        taken = replay["replay_samples"]
+        out["lost_in_transit"] = max(0, taken - consumed - out["learner_buffered"])
+        out["trained_twice"] = max(0, consumed + out["learner_buffered"] - taken)
+        out["lost"] = out["lost_in_replay"] + out["lost_in_transit"] + out["learner_buffered"]
     return out
 
 

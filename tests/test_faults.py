@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -381,12 +380,12 @@ def test_learner_resume_redoes_lost_steps_exactly(warm_start, tmp_path):
 
 # ------------------------------------------------------------------------------ a whole run
 def test_sao_run_survives_kill_9_of_an_actor_and_of_the_learner(warm_start, tmp_path):
-    """local_mp, the whole SAO program: kill -9 an actor once it has inserted, restart the replay
-    node (it checkpoints on the way out and restores), then kill -9 the learner just after a step
-    past its last checkpoint. The actor is restarted and re-inserts what it had spooled; the
-    learner resumes from its checkpoint, redoes the journalled steps with byte-identical weights
-    (the variable server accepts the republished version) and the run finishes with versions
-    1..16 intact; every inserted rollout is trained, dropped for staleness or still queued."""
+    """local_mp, the whole SAO program: kill -9 an actor once it has inserted, then the learner
+    just after a step past its last checkpoint. The actor is restarted and re-inserts what it had
+    spooled; the learner resumes from its checkpoint, redoes the journalled steps with
+    byte-identical weights (the variable server accepts the republished version) and the run
+    finishes with versions 1..16 intact; every inserted rollout is trained, dropped for staleness
+    or still queued. (Replay restarts: test_replay_node_restart_restores_its_items.)"""
     from sao_actor_learner.accounting import rollout_accounting
     config = SAOConfig(init_checkpoint=warm_start, run_dir=str(tmp_path / "run"), max_steps=16,
                        batch_size=8, num_actors=2, actor_batch=4, max_staleness=2,
@@ -405,9 +404,6 @@ def test_sao_run_survives_kill_9_of_an_actor_and_of_the_learner(warm_start, tmp_
                     timeout=240, what="actor_0 inserted", poll=0.01)
         events["actor"] = ff.nodes_json(run_dir)["actor_0"]["pid"]
         os.kill(events["actor"], signal.SIGKILL)
-        ff.wait_for(lambda: step() >= 2, timeout=120, what="step 2", poll=0.01)
-        launched.restart_node("replay_0")
-        events["after_replay_restart"] = step()
         ff.wait_for(lambda: (s := step()) > 4 and s % 4 and s < 16, timeout=120,
                     what="a step past a checkpoint", poll=0.005)
         events["learner"] = ff.nodes_json(run_dir)["learner_0"]["pid"]
@@ -422,8 +418,7 @@ def test_sao_run_survives_kill_9_of_an_actor_and_of_the_learner(warm_start, tmp_
     assert nodes["actor_0"]["restart_history"][0]["pid"] == events["actor"]
     assert nodes["learner_0"]["restart_history"][0]["exitcode"] == -signal.SIGKILL
     assert nodes["learner_0"]["pid"] != events["learner"]
-    assert [h["reason"] for h in nodes["replay_0"]["restart_history"]] == ["requested"]
-    assert summary["restarts"] == {"actor_0": 1, "learner_0": 1, "replay_0": 1}
+    assert summary["restarts"] == {"actor_0": 1, "learner_0": 1}
 
     train = read_metrics(run_dir, "train")
     for row in train:
@@ -436,16 +431,14 @@ def test_sao_run_survives_kill_9_of_an_actor_and_of_the_learner(warm_start, tmp_
     assert [r["step"] for r in resumed if r["replayed"]][0] == checkpoint + 1
     assert resumed[-1]["resume_publish_conflicts"] == 0
     assert 16 in {r["policy_version"] for r in read_metrics(run_dir, "eval")}
-    # Reverb's own log line of the restart's restore (the replay checkpoint written on stop).
-    log = open(os.path.join(run_dir, "logs", "replay_0.log")).read()
-    assert re.search(r"Table rollouts and \d+ items have been successfully loaded", log)
 
     acc = rollout_accounting(run_dir)
     assert acc["learner_version"] == 16
     assert acc["trained"] == 16 * config.batch_size == summary["rollouts_trained"]
     assert acc["completed"] == acc["inserted"] + sum(acc["rejected"].values()) + \
         acc["pending_in_spools"]
-    assert acc["lost"] == 0, acc
+    assert acc["replay_inserts"] == acc["replay_samples"] + acc["queued_in_replay"]
+    assert acc["lost"] == 0 and acc["trained_twice"] == 0, acc
     assert acc["duplicates"] <= 1, acc          # at-least-once insert after an actor crash
 
 
