@@ -33,7 +33,7 @@ torch.set_num_threads(1)
 TOK = CharTokenizer()
 PROMPTS = [TOK.encode(t) for t in ["1+2=", "37+45=", "9", "(a,b): [x/y] <z>?", "12*3-4="]]
 ATOL = 1e-4          # vLLM log-probs vs a teacher-forced transformers forward (measured < 3e-5)
-LONG = 300           # tokens per in-flight request in the keep/abort tests
+LONG = 450           # tokens per in-flight request in the keep/abort tests
 MAX_POS = 512
 
 
@@ -231,22 +231,22 @@ def _stream_until(engine, prompt, n_tokens: int):
     return conn
 
 
-def _update_mid_flight(engine, model, old_state_dict, new_state_dict, n=24, attempts=4):
+def _update_mid_flight(engine, model, old_state_dict, new_state_dict, n=24, attempts=6):
     """Loads old_state_dict, starts n long generations, loads new_state_dict once they are all
     running and have sampled a few tokens; returns (prompts, generations, old and new version).
 
-    On a busy machine the server's output can lag its engine so far that the generations end
+    On a busy machine the server's output can lag its engine so far that most generations end
     before the update reaches them; then the attempt is repeated."""
     prompts = [TOK.encode(f"{i}+{i}=") for i in range(n)]
     params = SamplingParams(max_new_tokens=LONG, temperature=1.0, seed=0)
     for _ in range(attempts):
         old_version = load(engine, model, old_state_dict)
-        in_flight0 = engine.counters["in_flight"]
+        sent0 = engine.counters["sent"]
         out = {}
         worker = threading.Thread(target=lambda: out.update(g=engine.generate(prompts, params)))
         worker.start()
         deadline = time.time() + 60
-        while engine.counters["in_flight"] - in_flight0 < n and time.time() < deadline:
+        while engine.counters["sent"] - sent0 < n and time.time() < deadline:
             time.sleep(0.001)
         time.sleep(0.01)  # the requests are sent; let the server take them in before the sentinel
         sentinel = _stream_until(engine, TOK.encode("0+0="), 3)
@@ -254,9 +254,9 @@ def _update_mid_flight(engine, model, old_state_dict, new_state_dict, n=24, atte
         sentinel.close()
         worker.join(timeout=300)
         gens = out["g"]
-        if any(new_version in g.versions for g in gens):
+        if sum(new_version in g.versions for g in gens) >= n // 2:
             return prompts, gens, old_version, new_version
-    pytest.fail(f"the generations finished before the update in all {attempts} attempts")
+    pytest.fail(f"most generations finished before the update in all {attempts} attempts")
 
 
 def _check_length(g):

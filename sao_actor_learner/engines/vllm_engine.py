@@ -365,9 +365,10 @@ class VLLMEngine(core.Engine):
         self._max_restarts = int(max_restarts)
         self._request_timeout_s = float(request_timeout_s)
         self.tokenizer = None  # set by from_checkpoint
-        # in_flight: generate requests sent and not answered yet.
+        # sent: generate requests sent (re-sends included); in_flight: sent, not answered yet;
+        # requests / tokens: answered requests and their tokens.
         self.counters: Dict[str, float] = {"requests": 0, "tokens": 0, "weight_updates": 0,
-                                           "in_flight": 0,
+                                           "sent": 0, "in_flight": 0,
                                            "aborted_and_resent": 0, "server_restarts": 0,
                                            "rejected_weight_updates": 0}
         self.last_update_s: Optional[float] = None
@@ -647,6 +648,7 @@ class VLLMEngine(core.Engine):
             with self._state:
                 epoch = self._server_epoch
             body["request_id"] = f"sao-{uuid.uuid4().hex}"
+            self._count("sent")
             self._count("in_flight")
             try:
                 reply = _request(self._server.port, "POST", "/inference/v1/generate", body,
