@@ -53,6 +53,7 @@ flags.DEFINE_list("kill_targets", ["actor", "actor", "learner", "evaluator"],
 flags.DEFINE_enum("replay_kill", "restart", ["restart", "sigkill"],
                   "How replay is hit: a cooperative restart (checkpoint on stop) or SIGKILL.")
 flags.DEFINE_integer("soak_seed", 0, "Seed of the fault schedule.")
+flags.DEFINE_integer("max_faults", 0, "Stop injecting after this many faults (0: until the end).")
 flags.DEFINE_bool("progress", True, "Show a progress line.")
 FLAGS = flags.FLAGS
 
@@ -60,8 +61,10 @@ FLAGS = flags.FLAGS
 class FaultInjector:
     """Kills or restarts random running nodes of a launched program until stopped."""
 
-    def __init__(self, launched, targets, every_s: float, replay_kill: str, seed: int) -> None:
+    def __init__(self, launched, targets, every_s: float, replay_kill: str, seed: int,
+                 max_faults: int = 0) -> None:
         self.launched, self.targets, self.every_s = launched, list(targets), every_s
+        self.max_faults = max_faults
         self.replay_kill = replay_kill
         self.rng = random.Random(seed)
         self.faults = []
@@ -79,6 +82,8 @@ class FaultInjector:
         while not self._stop.wait(self.every_s * self.rng.uniform(0.5, 1.5)):
             statuses = self.launched.statuses
             if statuses.get("learner") == ["finished"] or self.launched.stopped:
+                return
+            if self.max_faults and len(self.faults) >= self.max_faults:
                 return
             group = self.rng.choice(self.targets)
             running = [n for n in self.launched.nodes_info()
@@ -113,6 +118,8 @@ def main(argv):
                  f"evaluator, replay, variables (got {unknown or 'none'})")
     if FLAGS.kill_every_s <= 0:
         sys.exit(f"--kill_every_s={FLAGS.kill_every_s}: must be > 0")
+    if FLAGS.max_faults < 0:
+        sys.exit(f"--max_faults={FLAGS.max_faults}: must be >= 0 (0: no limit)")
     restarted_on_request = {"replay"} if FLAGS.replay_kill == "restart" else set()
     missing = sorted(set(targets) - restarted_on_request - set(config.restart_groups))
     if missing:
@@ -122,7 +129,7 @@ def main(argv):
 
     def inject(launched):
         injector = FaultInjector(launched, targets, FLAGS.kill_every_s, FLAGS.replay_kill,
-                                 FLAGS.soak_seed)
+                                 FLAGS.soak_seed, FLAGS.max_faults)
         injectors.append(injector)
         injector.start()
 

@@ -8,7 +8,9 @@ record:
   rejected          refused by the writer's validation, by reason (spool ledgers)
   pending_in_spools completed, not yet confirmed (re-inserted by a resumed run)
   replay_inserts    inserts replay counted (its checkpoint's rate-limiter statistics)
-  replay_samples    samples replay handed out
+  replay_samples    rollouts replay handed out (samples / samples_per_insert: an
+                    acknowledged table samples each rollout ACK_TIMES_SAMPLED (4) times;
+                    replay/tables.py)
   queued_in_replay  still in the table at the end (its checkpoint)
   trained           trained on by a policy step (the learner's newest checkpoint)
   value_pretraining consumed by critic-only value pretraining
@@ -108,8 +110,9 @@ def _replay_counts(checkpoint_dir: str, capacity: int) -> Dict:
     try:
         info = table_info(server.client(), DEFAULT_TABLE)
         rl = info.rate_limiter_info
+        per_rollout = max(1, int(round(rl.samples_per_insert)))   # 4: an acknowledged table
         return {"replay_inserts": int(rl.insert_stats.completed),
-                "replay_samples": int(rl.sample_stats.completed),
+                "replay_samples": int(rl.sample_stats.completed) // per_rollout,
                 "queued_in_replay": int(info.current_size)}
     finally:
         server._shutdown()

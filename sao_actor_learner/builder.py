@@ -46,7 +46,7 @@ def make_replay_server(config: SAOConfig, port: int = 0, run_dir: Optional[str] 
     checkpoint_dir = replay_checkpoint_dir(config, run_dir) if config.replay_checkpoints else None
     return ReplayServer(config.effective_queue_capacity, port=port, checkpoint_dir=checkpoint_dir,
                         checkpoint_every_s=config.replay_checkpoint_every_s if checkpoint_dir
-                        else 0.0)
+                        else 0.0, acknowledged=config.replay_exactly_once)
 
 
 # --- fault tolerance and security (issue 7) ---------------------------------------------------------
@@ -97,6 +97,11 @@ def _check_resumable(config: SAOConfig, run_dir: str) -> None:
             previous = SAOConfig.from_json(f.read())
     except (TypeError, ValueError):   # written by another version of the config: can't compare
         return
+    if config.replay_checkpoints and previous.replay_exactly_once != config.replay_exactly_once:
+        raise ConfigError(
+            f"resume=True with replay_exactly_once={config.replay_exactly_once}, but the run in "
+            f"{run_dir!r} used {previous.replay_exactly_once}: the replay checkpoint restores "
+            "its own table; resume with the same replay_exactly_once")
     if config.replay_checkpoints and \
             previous.effective_queue_capacity != config.effective_queue_capacity:
         raise ConfigError(
@@ -206,7 +211,6 @@ def make_learner(config: SAOConfig, replay_address: str, variables_address: str,
     from sao_actor_learner.models import checkpoint as ckpt
     from sao_actor_learner.models.value import ValueModel
     from sao_actor_learner.observers import MetricsLogger
-    from sao_actor_learner.replay import RolloutReader
     from sao_actor_learner.variables import VariablePublisher
 
     run_dir = run_dir or config.run_dir
@@ -224,17 +228,27 @@ def make_learner(config: SAOConfig, replay_address: str, variables_address: str,
         learner_cls, args = CriticFreeLearner, (config, policy)
     learner = learner_cls(
         *args,
-        reader=resume.reader(lambda on_fetched: RolloutReader(replay_address,
-                                                              on_fetched=on_fetched)),
+        reader=resume.reader(lambda on_fetched: _learner_reader(config, replay_address,
+                                                                on_fetched, resume)),
         publisher=VariablePublisher(variables_address, publisher_token,
                                     **_variables_client_security(config, auth_token)),
-        serialize=ckpt.state_dict_to_bytes,
+        serialize=ckpt.state_dict_to_buffers,   # issue 8: streamed without a joined copy
         logger=MetricsLogger(run_dir, "learner"),
         checkpoint_fn=lambda learner, step: save_learner_checkpoint(
             learner, tokenizer, run_dir, step, keep=config.keep_checkpoints),
         pad_id=tokenizer.pad_id)
     resume.restore(learner)
     return learner
+
+
+def _learner_reader(config: SAOConfig, replay_address: str, on_fetched, resume):
+    """The learner's replay reader: exactly-once (acknowledged table) or the plain one; either
+    hands each rollout to the journal (`on_fetched`) as soon as it has it."""
+    if config.replay_exactly_once:
+        from sao_actor_learner.replay.acked_reader import AckedReader
+        return AckedReader(replay_address, on_peeked=on_fetched, skip_keys=resume.replay_keys())
+    from sao_actor_learner.replay import RolloutReader
+    return RolloutReader(replay_address, on_fetched=on_fetched)
 
 
 def save_learner_checkpoint(learner, tokenizer, run_dir: str, step: int, keep: int = 0) -> str:
@@ -300,7 +314,7 @@ def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_
                                  **_variables_client_security(config, auth_token)),
         writer=RolloutWriter(replay_address, max_sequence_length=config.max_sequence_length,
                              vocab_size=engine.tokenizer.vocab_size),
-        decode=ckpt.bytes_to_state_dict,
+        decode=ckpt.bytes_to_state_dict_views,  # issue 8: engines copy them into the model
         params=sampling_params(config, eos_id=engine.tokenizer.eos_id),
         actor_batch=config.actor_batch, admission_control=config.admission_control,
         seed=config.seed, max_total_tokens=config.max_sequence_length,
@@ -327,7 +341,7 @@ def make_evaluator(config: SAOConfig, variables_address: str, run_dir: Optional[
     return Evaluator(task, engine,
                      variables=VariableClient(variables_address, config.variable_update_period_s,
                                               **_variables_client_security(config, auth_token)),
-                     decode=ckpt.bytes_to_state_dict,
+                     decode=ckpt.bytes_to_state_dict_views,  # issue 8: no copy
                      params=sampling_params(config, greedy=True, eos_id=engine.tokenizer.eos_id),
                      eval_every=config.eval_every, max_steps=config.max_steps,
                      logger=MetricsLogger(run_dir or config.run_dir, "evaluator"),

@@ -130,6 +130,13 @@ class SAOConfig:
     vllm_enforce_eager: bool = True       # no torch.compile in the server: starts ~2x faster on CPU
     vllm_evaluator: bool = False          # the evaluator uses vLLM too (False: the torch engine)
 
+    # --- lock-step (synchronous) training (issue 8 benchmark 2: programs/benchmarks/async_vs_sync.py)
+    lockstep: bool = False          # True: synchronous RL, the baseline async is measured against:
+                                    # actors generate exactly one batch per policy version, with it,
+                                    # then sit idle while the learner trains on that batch (the
+                                    # learner idles while they generate). Admission control with
+                                    # max_staleness 0, which this sets; needs admission_control
+
     # --- evaluation ------------------------------------------------------------------------------
     eval_every: int = 10
     eval_size: int = 200
@@ -151,6 +158,8 @@ class SAOConfig:
                                     # and restores the newest on (re)start
     replay_checkpoint_every_s: float = 30.0   # 0: only when the replay node stops
     replay_checkpoint_dir: str = ""       # "": <run_dir>/checkpoints/replay
+    replay_exactly_once: bool = True      # the learner reads a rollout, journals it, then removes
+                                    # it from replay (4 samples each): a killed learner loses none
     actor_spool: bool = True        # actors keep each completed rollout on disk until replay
                                     # confirms it (re-inserted after an actor crash)
     bind_host: str = "127.0.0.1"    # interface the variable server binds; another needs an auth
@@ -164,6 +173,7 @@ class SAOConfig:
         for field in ("ray_resources", "restart_groups"):   # issue 7
             object.__setattr__(self, field, tuple(getattr(self, field)))
         self._resolve_task_defaults()
+        self._resolve_lockstep()
         self.validate()
 
     def _resolve_task_defaults(self) -> None:
@@ -261,6 +271,32 @@ class SAOConfig:
         self._validate_vllm(fail)
         self._validate_multi_turn(fail)
         self._validate_faults_and_scale_out(fail)
+        self._validate_lockstep(fail)
+
+    def _resolve_lockstep(self) -> None:
+        """lockstep=True sets max_staleness to 0 (issue 8); an explicit other value is an error."""
+        if not self.lockstep:
+            return
+        default = type(self).__dataclass_fields__["max_staleness"].default
+        if self.max_staleness not in (0, default):
+            raise ConfigError(
+                f"lockstep=True with max_staleness={self.max_staleness}: lock-step training is "
+                "on-policy (max_staleness 0, which lockstep sets); drop --max_staleness, or drop "
+                "--lockstep to train asynchronously with that staleness")
+        object.__setattr__(self, "max_staleness", 0)
+
+    def _validate_lockstep(self, fail) -> None:
+        """Checks of the lock-step mode (issue 8)."""
+        if not self.lockstep:
+            return
+        if not self.admission_control:
+            fail("lockstep=True with admission_control=False: lock-step is enforced by admission "
+                 "(actors start one batch per policy version); set --admission_control")
+        if self.forced_staleness >= 0:
+            fail(f"lockstep=True with forced_staleness={self.forced_staleness}: forced staleness "
+                 "trains every rollout k versions stale, lock-step trains on-policy; use one")
+        if self.max_staleness != 0:
+            fail(f"lockstep=True with max_staleness={self.max_staleness}: must be 0 (on-policy)")
 
     def _validate_faults_and_scale_out(self, fail) -> None:
         """Checks of the Ray, restart, checkpoint and security fields (issue 7)."""

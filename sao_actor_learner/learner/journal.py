@@ -15,9 +15,10 @@ the same batches, staleness drops, weights and version numbers (a republished ve
 byte-identical, which the variable server checks). No version number is reused for other
 weights. With no checkpoint yet, the redo starts from the initial weights (version 0).
 
-What can still be lost: rollouts in transit when the learner is killed (replay removed them
-as it sent them; the journal had not yet written them): a window of about a millisecond per
-fetch, measured by accounting.py (`lost`) rather than assumed away.
+What can still be lost: with the plain table (`replay_exactly_once=False`), rollouts in transit
+when the learner is killed (replay removed them as it sent them; the journal had not yet
+written them), measured by accounting.py (`lost_in_transit`). With an acknowledged table
+(replay/acked_reader.py, the default) a rollout leaves replay only after the journal has it.
 
 Each journal record is one write: a 12-byte header (magic, length, crc32) and the pickled list
 of rollouts. A record torn by a crash mid-write fails its crc and is ignored.
@@ -188,9 +189,14 @@ class JournaledReader:
             return []
         if self._journal_at_fetch:
             with self._lock:
-                for rollout in got:
-                    if self._unreturned and self._unreturned[0] is rollout:
-                        self._unreturned.popleft()
+                if got:   # usually the oldest ones; removed wherever they are
+                    returned = {id(r) for r in got}
+                    self._unreturned = collections.deque(
+                        r for r in self._unreturned if id(r) not in returned)
+                if len(self._unreturned) > 4096:
+                    logging.log_every_n_seconds(
+                        logging.WARNING, "JournaledReader: %d journalled rollouts were never "
+                        "returned by the reader", 60, len(self._unreturned))
         elif got:
             self.journal.record(got)
         return got
@@ -243,6 +249,11 @@ class ResumePoint:
     def resuming(self) -> bool:
         """Whether there is anything to resume from (else a fresh start)."""
         return self.checkpoint is not None or bool(self.replay)
+
+    def replay_keys(self) -> set:
+        """Replay keys of the journalled rollouts (acknowledged tables: replay/acked_reader.py)."""
+        return {r.replay_key for record in self.replay for r in record
+                if getattr(r, "replay_key", None) is not None}
 
     def reader(self, reader: Any) -> JournaledReader:
         """`reader` (or a factory, see JournaledReader) wrapped to journal from here on, after

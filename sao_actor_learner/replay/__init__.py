@@ -4,6 +4,7 @@
     writer = RolloutWriter(server.address, max_sequence_length=config.max_sequence_length,
                            vocab_size=engine.vocab_size)
     writer.write(rollout, timeout_s=1.0)                         # False: invalid or table full
+    writer.write_many(rollouts, timeout_s=1.0)                   # one WriteResult per rollout
     reader = RolloutReader(server.address)
     rollouts = reader.sample(config.batch_size, timeout_s=1.0)   # up to n, oldest first
 
@@ -12,8 +13,9 @@ Importing this package does not import Reverb or TensorFlow; making any of these
 from sao_actor_learner.replay.reader import RolloutReader, decode_item
 from sao_actor_learner.replay.tables import (DEFAULT_TABLE, ITEM_COLUMNS, ReplayServer,
                                              make_rollouts_table, rollouts_signature)
-from sao_actor_learner.replay.writer import REJECT_REASONS, RolloutWriter, bucket_lengths
+from sao_actor_learner.replay.writer import (REJECT_REASONS, RolloutWriter, WriteResult,
+                                             bucket_lengths)
 
 __all__ = ["ReplayServer", "RolloutReader", "RolloutWriter", "make_rollouts_table",
            "rollouts_signature", "decode_item", "bucket_lengths", "REJECT_REASONS",
-           "DEFAULT_TABLE", "ITEM_COLUMNS"]
+           "DEFAULT_TABLE", "ITEM_COLUMNS", "WriteResult"]

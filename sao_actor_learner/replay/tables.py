@@ -42,6 +42,9 @@ FLAT_COLUMN_ORDER: Tuple[str, ...] = tuple(sorted(ITEM_COLUMNS))
 # timeout it waits forever for an unreachable server).
 SERVER_INFO_TIMEOUT_S = 1
 
+# Samples per rollout in an acknowledged table (issue 7; 4 since issue 8: acked_reader.py).
+ACK_TIMES_SAMPLED = 4
+
 
 def rollouts_signature() -> Dict[str, Any]:
     """The table signature: per-token columns `[None]`, scalar columns `[]`, exact dtypes."""
@@ -55,26 +58,42 @@ def rollouts_signature() -> Dict[str, Any]:
     return spec
 
 
-def make_rollouts_table(queue_capacity: int, name: str = DEFAULT_TABLE):
+def make_rollouts_table(queue_capacity: int, name: str = DEFAULT_TABLE,
+                        acknowledged: bool = False):
     """A `reverb.Table` that is a bounded FIFO queue of rollouts.
 
     Fifo sampler and remover, `max_times_sampled=1` (each rollout is trained on once), and a
     `Queue(queue_capacity)` rate limiter: inserts block while `queue_capacity` rollouts are queued,
     samples block while the table is empty. The signature makes the `TrajectoryWriter` check every
     item's dtypes and shapes before it is sent.
+
+    acknowledged=True (issue 7, exactly-once consumption): every rollout is sampled
+    ACK_TIMES_SAMPLED (4) times, by one consumer (replay/acked_reader.py): a first sample to
+    read it (it stays, at the head), the last, once the consumer has it durably, removes it
+    (4 rather than 2 so that one Reverb sampler stream can serve a whole read: issue 8, see
+    acked_reader.py). `max_times_sampled=4` and a rate limiter counting 4 samples per insert
+    (`RateLimiter(4, 1, 0, 4 * queue_capacity)`), which keeps the same bound: inserts wait while
+    `queue_capacity` rollouts are queued. A consumer that dies before the last sample leaves the
+    rollout at the head for the next one.
     """
     if not isinstance(queue_capacity, (int, np.integer)) or queue_capacity < 1:
         raise ValueError(f"queue_capacity={queue_capacity!r}: must be an int >= 1 (the most "
                          "rollouts that may wait in replay; SAOConfig uses 2*batch_size)")
     import reverb
 
+    if acknowledged:
+        rate_limiter = reverb.rate_limiters.RateLimiter(
+            samples_per_insert=ACK_TIMES_SAMPLED, min_size_to_sample=1, min_diff=0,
+            max_diff=ACK_TIMES_SAMPLED * int(queue_capacity))
+    else:
+        rate_limiter = reverb.rate_limiters.Queue(int(queue_capacity))
     return reverb.Table(
         name=name,
         sampler=reverb.selectors.Fifo(),
         remover=reverb.selectors.Fifo(),
         max_size=int(queue_capacity),
-        rate_limiter=reverb.rate_limiters.Queue(int(queue_capacity)),
-        max_times_sampled=1,
+        rate_limiter=rate_limiter,
+        max_times_sampled=ACK_TIMES_SAMPLED if acknowledged else 1,
         signature=rollouts_signature(),
     )
 
@@ -108,18 +127,27 @@ def table_status(client, table: str, timeout_s: int = SERVER_INFO_TIMEOUT_S) -> 
 
     `Client.server_info` also decodes every table signature into TensorSpecs through TensorFlow
     (~0.3 ms for the rollouts table, 5x the round trip); the hot paths (a check per write, per
-    read) parse the `TableInfo` protos and skip that. Falls back to `server_info` if Reverb's
-    internals differ from 0.14's.
+    read) parse the `TableInfo` protos and skip that (`table_info_proto`). Falls back to
+    `server_info` if Reverb's internals differ from 0.14's.
     """
     timeout = max(1, int(timeout_s))
     raw_client = getattr(client, "_client", None)
     if raw_client is None or not hasattr(raw_client, "ServerInfo"):
         info = table_info(client, table, timeout)
         return int(info.current_size), insert_capacity(info)
+    info = table_info_proto(client, table, timeout)
+    return int(info.current_size), insert_capacity(info)
+
+
+def table_info_proto(client, table: str, timeout_s: int = SERVER_INFO_TIMEOUT_S):
+    """The `TableInfo` proto of `table` from one raw ServerInfo round trip (no TensorFlow
+    signature decoding); raises TimeoutError when replay does not answer, KeyError naming the
+    tables that exist when it has no `table`. Needs Reverb 0.14's `client._client`."""
     from reverb.cc import schema_pb2
 
+    timeout = max(1, int(timeout_s))
     try:
-        protos = raw_client.ServerInfo(timeout)
+        protos = client._client.ServerInfo(timeout)  # pylint: disable=protected-access
     except RuntimeError as e:
         if "Deadline Exceeded" in str(e):
             raise TimeoutError(f"replay at {client.server_address} did not answer within "
@@ -129,7 +157,7 @@ def table_status(client, table: str, timeout_s: int = SERVER_INFO_TIMEOUT_S) -> 
     for proto in protos:
         info = schema_pb2.TableInfo.FromString(proto)
         if info.name == table:
-            return int(info.current_size), insert_capacity(info)
+            return info
         names.append(info.name)
     raise KeyError(f"replay has no table {table!r}; it has {sorted(names)}. Pass the table name "
                    "the ReplayServer was made with")
@@ -165,7 +193,8 @@ class ReplayServer(core.Worker):
     """
 
     def __init__(self, queue_capacity: int, port: int = 0, checkpoint_dir: Optional[str] = None,
-                 *, table_name: str = DEFAULT_TABLE, checkpoint_every_s: float = 0.0):
+                 *, table_name: str = DEFAULT_TABLE, checkpoint_every_s: float = 0.0,
+                 acknowledged: bool = False):
         if not isinstance(queue_capacity, (int, np.integer)) or queue_capacity < 1:
             raise ValueError(f"queue_capacity={queue_capacity!r}: must be an int >= 1")
         if port < 0 or port > 65535:
@@ -179,6 +208,7 @@ class ReplayServer(core.Worker):
         self.table_name = table_name
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every_s = float(checkpoint_every_s)
+        self.acknowledged = bool(acknowledged)   # see make_rollouts_table (issue 7)
         if not port:
             import portpicker  # a Reverb dependency; no TensorFlow
 
@@ -211,7 +241,8 @@ class ReplayServer(core.Worker):
             checkpointer = None
             if self.checkpoint_dir:
                 checkpointer = reverb.checkpointers.DefaultCheckpointer(path=self.checkpoint_dir)
-            table = make_rollouts_table(self.queue_capacity, self.table_name)
+            table = make_rollouts_table(self.queue_capacity, self.table_name,
+                                        acknowledged=self.acknowledged)
             t0 = time.time()
             self._server = reverb.Server(tables=[table], port=self._port,
                                          checkpointer=checkpointer)
