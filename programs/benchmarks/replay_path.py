@@ -1,32 +1,38 @@
-r"""Rollouts/s through RolloutWriter + RolloutReader vs the fastest raw Reverb client loop.
+r"""Rollouts/s through the project's replay writer and reader vs the best raw Reverb client loop.
 
-A Reverb server runs in a spawned process with two queue tables of capacity --num_items:
-"rollouts" (make_rollouts_table, used by RolloutWriter / RolloutReader) and "raw" (Table.queue, no
-signature, used by the raw loops). Each round writes --num_items rollouts of ~2k tokens, then reads
-them all back, for each path:
+A Reverb server runs in a spawned process with queue tables of capacity --num_items. Each round
+writes --num_items rollouts of ~2k tokens (--min_len..--max_len), then reads them all back, for
+each path, interleaved (path A, B, C, D, then A, B, ... again) so machine load hits all alike:
 
-  ours           RolloutWriter.write (validation, free-slot check, padding to a length bucket,
-                 insert confirmed per item) / RolloutReader.sample(--batch) decoded to Rollout.
-  raw            one long-lived legacy reverb Writer: append + create_item per item, a single flush
-                 at the end (no per-item confirmation, no timeout) / one Reverb sampler for all
-                 items (32 per request), raw numpy columns, no decoding.
-  raw_confirmed  the raw writer with a flush after every item (what "write returned" means in
-                 ours), same reader.
-  tw_per_item    the other way to write variable lengths with a timeout: a new TrajectoryWriter
-                 per item (exact lengths, no padding), flushed with a timeout and closed; same
-                 reader as raw.
-  ours_per_item  ours, but sending through a new TrajectoryWriter per item instead of one
-                 long-lived writer per length bucket: the design alternative, same checks.
+  raw         the best raw client loop: one long-lived legacy reverb Writer, append + create_item
+              per rollout and a single flush at the end (no validation, no padding, no timeout,
+              no per-batch confirmation), into Table.queue (no signature); read with one Reverb
+              sampler for all items (32 per request), raw numpy columns, no decoding.
+  ours        as a run uses it: the writer as the actors use it (RolloutWriter.write_many of
+              --actor_batch rollouts, timeout 1 s: validation and rejection counting, a free-slot
+              check before sending, padding to a length bucket, confirmation per call), into an
+              acknowledged table; the reader as the learner uses it by default
+              (replay_exactly_once: AckedReader.sample(--batch), decoded, each rollout read,
+              handed to on_peeked, then acknowledged).
+  ours_plain  the same writer; RolloutReader.sample(--batch) on a plain queue table
+              (replay_exactly_once=False).
+  before      the path before issue 8: RolloutWriter.write per rollout, and AckedReader on an
+              acknowledged table with 2 samples per rollout (a new Reverb sampler per sample).
 
-The best of --repeats rounds is reported. Ends with one JSON line of figures.
+Per path: write/s (write phase), read/s (read phase), write+read/s (num_items over both phases),
+best and median of --repeats rounds, and the ratios to raw. Target (issue 8): ours >= 0.7x raw on
+write+read. Every path checks that the rollouts came back complete, in order, unchanged. Ends
+with one JSON line of figures.
 
-  OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python programs/benchmarks/replay_path.py
+  OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python programs/benchmarks/replay_path.py \
+      --repeats=5
 """
 from __future__ import annotations
 
 import json
 import multiprocessing
 import os
+import statistics
 import sys
 import time
 from typing import Dict, List
@@ -45,20 +51,33 @@ flags.DEFINE_integer("max_len", 2200, "Longest rollout (tokens).")
 flags.DEFINE_integer("max_sequence_length", 4096, "RolloutWriter's max_sequence_length.")
 flags.DEFINE_integer("vocab_size", 32000, "Token ids are drawn from [0, vocab_size).")
 flags.DEFINE_integer("buckets_per_octave", 4, "RolloutWriter's length buckets per doubling.")
-flags.DEFINE_integer("batch", 32, "Rollouts per RolloutReader.sample call (the learner's batch).")
-flags.DEFINE_integer("repeats", 3, "Rounds; the best of each figure is reported.")
+flags.DEFINE_integer("actor_batch", 8, "Rollouts per write_many call (SAOConfig.actor_batch).")
+flags.DEFINE_integer("batch", 32, "Rollouts per reader.sample call (SAOConfig.batch_size).")
+flags.DEFINE_integer("repeats", 3, "Rounds; best and median of each figure are reported.")
 flags.DEFINE_integer("seed", 0, "Seed of the rollouts.")
+flags.DEFINE_list("paths", ["raw", "ours", "ours_plain", "before"], "Paths to measure.")
+
+PATHS = ("raw", "ours", "ours_plain", "before")
+TABLE_OF = {"raw": "raw", "ours": "acked", "ours_plain": "rollouts", "before": "acked2"}
+TARGET = 0.7
 
 
 def _serve(capacity: int, conn) -> None:
-    """Child process: a Reverb server with the two tables until the parent says stop."""
+    """Child process: a Reverb server with the tables until the parent says stop."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import reverb
 
-    from sao_actor_learner.replay import make_rollouts_table
+    from sao_actor_learner.replay import make_rollouts_table, rollouts_signature
 
+    # The acknowledged table as issue 7 made it (2 samples per rollout), for the `before` path.
+    acked2 = reverb.Table(
+        name="acked2", sampler=reverb.selectors.Fifo(), remover=reverb.selectors.Fifo(),
+        max_size=capacity, max_times_sampled=2, signature=rollouts_signature(),
+        rate_limiter=reverb.rate_limiters.RateLimiter(
+            samples_per_insert=2, min_size_to_sample=1, min_diff=0, max_diff=2 * capacity))
     server = reverb.Server(tables=[make_rollouts_table(capacity, "rollouts"),
-                                   reverb.Table.queue("raw", capacity)])
+                                   make_rollouts_table(capacity, "acked", acknowledged=True),
+                                   acked2, reverb.Table.queue("raw", capacity)])
     conn.send(server.port)
     conn.recv()
     server.stop()
@@ -69,7 +88,7 @@ def make_rollouts(n: int, seed: int) -> List[Rollout]:
     out = []
     for i in range(n):
         length = int(rng.integers(FLAGS.min_len, FLAGS.max_len + 1))
-        prompt = length // 8
+        prompt = max(1, length // 8)
         mask = np.zeros(length, np.int8)
         mask[prompt:] = 1
         out.append(Rollout(
@@ -82,77 +101,55 @@ def make_rollouts(n: int, seed: int) -> List[Rollout]:
     return out
 
 
-def _per_item_writer_class():
-    from sao_actor_learner.replay import RolloutWriter
-
-    class PerItemWriter(RolloutWriter):
-        """RolloutWriter sending each item through its own new TrajectoryWriter (no padding)."""
-
-        def _send(self, columns, deadline):
-            writer = self._client.trajectory_writer(num_keep_alive_refs=1)
-            try:
-                writer.append(columns)
-                history = writer.history
-                writer.create_item(self._table, 1.0, {k: history[k][-1] for k in columns})
-                writer.flush(timeout_ms=max(50, int((deadline - time.monotonic()) * 1000)))
-            finally:
-                writer.close()
-
-    return PerItemWriter
+def _check(name: str, got: List[Rollout], sent: List[Rollout]) -> None:
+    if [r.prompt_id for r in got] != [r.prompt_id for r in sent]:
+        raise RuntimeError(f"{name}: rollouts came back out of order or incomplete")
+    for a, b in zip(got[::97], sent[::97]):
+        if not (np.array_equal(a.tokens, b.tokens) and np.array_equal(a.rewards, b.rewards)):
+            raise RuntimeError(f"{name}: a rollout changed on the way")
 
 
-def run_ours(address: str, rollouts: List[Rollout], per_item: bool = False) -> Dict[str, float]:
+def run_ours(address: str, rollouts: List[Rollout], path: str) -> Dict[str, float]:
     from sao_actor_learner.replay import RolloutReader, RolloutWriter
+    from sao_actor_learner.replay.acked_reader import AckedReader
 
-    n = len(rollouts)
-    if per_item:
-        writer = _per_item_writer_class()(address, "rollouts", FLAGS.max_sequence_length,
-                                          FLAGS.vocab_size)
-    else:
-        writer = RolloutWriter(address, "rollouts", FLAGS.max_sequence_length, FLAGS.vocab_size,
-                               buckets_per_octave=FLAGS.buckets_per_octave)
-    reader = RolloutReader(address, "rollouts")
+    n, table = len(rollouts), TABLE_OF[path]
+    writer = RolloutWriter(address, table, FLAGS.max_sequence_length, FLAGS.vocab_size,
+                           buckets_per_octave=FLAGS.buckets_per_octave)
+    reader = (RolloutReader if path == "ours_plain" else AckedReader)(address, table)
     t0 = time.perf_counter()
-    for r in rollouts:
-        if not writer.write(r, timeout_s=30.0):
-            raise RuntimeError(f"write failed: {writer.stats()}")
+    if path == "before":
+        for r in rollouts:
+            if not writer.write(r, timeout_s=1.0):
+                raise RuntimeError(f"{path}: write failed: {writer.stats()}")
+    else:
+        for i in range(0, n, FLAGS.actor_batch):
+            results = writer.write_many(rollouts[i:i + FLAGS.actor_batch], timeout_s=1.0)
+            if not all(r.inserted and r.confirmed for r in results):
+                raise RuntimeError(f"{path}: write_many failed: {results} {writer.stats()}")
     t1 = time.perf_counter()
     got: List[Rollout] = []
     while len(got) < n:
-        batch = reader.sample(min(FLAGS.batch, n - len(got)), timeout_s=30.0)
+        batch = reader.sample(min(FLAGS.batch, n - len(got)), timeout_s=1.0)
         if not batch:
-            raise RuntimeError(f"read timed out after {len(got)} of {n}")
+            raise RuntimeError(f"{path}: read timed out after {len(got)} of {n}")
         got.extend(batch)
     t2 = time.perf_counter()
     writer.close()
     reader.close()
-    if [r.prompt_id for r in got] != [r.prompt_id for r in rollouts]:
-        raise RuntimeError("ours: rollouts came back out of order or incomplete")
-    if not all(np.array_equal(a.tokens, b.tokens) for a, b in zip(got[::97], rollouts[::97])):
-        raise RuntimeError("ours: tokens changed on the way")
+    _check(path, got, rollouts)
     return {"write_s": t1 - t0, "read_s": t2 - t1}
 
 
-def run_raw(client, rollouts: List[Rollout], mode: str) -> Dict[str, float]:
+def run_raw(client, rollouts: List[Rollout]) -> Dict[str, float]:
     n = len(rollouts)
     columns = [r.columns() for r in rollouts]  # outside the timing: the raw loop gets dicts
     writer = client.writer(max_sequence_length=1, max_in_flight_items=None)
     t0 = time.perf_counter()
-    if mode == "tw_per_item":
-        for cols in columns:
-            tw = client.trajectory_writer(num_keep_alive_refs=1)
-            tw.append(cols)
-            history = tw.history
-            tw.create_item("raw", 1.0, {k: history[k][-1] for k in cols})
-            tw.flush(timeout_ms=30_000)
-            tw.close()
-    else:
-        for cols in columns:
-            writer.append(cols)
-            writer.create_item("raw", 1, 1.0)
-            if mode == "raw_confirmed":
-                writer.flush()
-        writer.flush()
+    for cols in columns:
+        writer.append(cols)
+        writer.create_item("raw", 1, 1.0)
+    writer.flush()
     t1 = time.perf_counter()
     sampler = client._client.NewSampler("raw", n, 32)  # pylint: disable=protected-access
     got = [sampler.GetNextTrajectory() for _ in range(n)]
@@ -167,9 +164,14 @@ def run_raw(client, rollouts: List[Rollout], mode: str) -> Dict[str, float]:
 def main(argv) -> None:
     del argv
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    paths = [p for p in PATHS if p in FLAGS.paths]
+    if "raw" not in paths or len(paths) < 2 or set(FLAGS.paths) - set(PATHS):
+        raise app.UsageError(f"--paths={','.join(FLAGS.paths)}: pick raw and at least one of "
+                             f"{', '.join(PATHS[1:])}")
     n = FLAGS.num_items
     rollouts = make_rollouts(n, FLAGS.seed)
     mean_tokens = float(np.mean([r.length for r in rollouts]))
+    load_start = os.getloadavg()[0]
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_serve, args=(n, child), daemon=True)
@@ -179,39 +181,47 @@ def main(argv) -> None:
     import reverb
 
     client = reverb.Client(address)
-    results: Dict[str, List[Dict[str, float]]] = {
-        "ours": [], "raw": [], "raw_confirmed": [], "tw_per_item": [], "ours_per_item": []}
+    results: Dict[str, List[Dict[str, float]]] = {p: [] for p in paths}
     try:
         for rep in range(FLAGS.repeats):
-            for name in results:  # interleaved, so load changes hit every path alike
-                if name.startswith("ours"):
-                    results[name].append(run_ours(address, rollouts, name == "ours_per_item"))
-                else:
-                    results[name].append(run_raw(client, rollouts, mode=name))
+            for path in paths:  # interleaved, so load changes hit every path alike
+                results[path].append(run_raw(client, rollouts) if path == "raw"
+                                     else run_ours(address, rollouts, path))
             logging.info("round %d done", rep + 1)
     finally:
         parent.send("stop")
         proc.join(timeout=10)
 
-    figures: Dict[str, float] = {"num_items": n, "mean_tokens": round(mean_tokens, 1),
-                                 "repeats": FLAGS.repeats}
-    print(f"\n{n} rollouts of ~{mean_tokens:.0f} tokens, server in another process, best of "
-          f"{FLAGS.repeats} rounds\n")
-    print(f"{'path':<15}{'write/s':>10}{'read/s':>10}{'write+read/s':>14}")
-    for name, rounds in results.items():
-        write = max(n / r["write_s"] for r in rounds)
-        read = max(n / r["read_s"] for r in rounds)
-        both = max(n / (r["write_s"] + r["read_s"]) for r in rounds)
-        figures.update({f"{name}_write_per_s": round(write), f"{name}_read_per_s": round(read),
-                        f"{name}_write_read_per_s": round(both)})
-        print(f"{name:<15}{write:>10.0f}{read:>10.0f}{both:>14.0f}")
-    for ref in ("raw", "raw_confirmed", "tw_per_item", "ours_per_item"):
-        for key in ("write", "read", "write_read"):
-            figures[f"ratio_ours_over_{ref}_{key}"] = round(
-                figures[f"ours_{key}_per_s"] / figures[f"{ref}_{key}_per_s"], 3)
-    print(f"\nours / raw (write+read): {figures['ratio_ours_over_raw_write_read']:.2f}; "
-          f"ours / raw_confirmed: {figures['ratio_ours_over_raw_confirmed_write_read']:.2f}; "
-          f"ours / ours_per_item: {figures['ratio_ours_over_ours_per_item_write_read']:.2f}\n")
+    figures: Dict[str, float] = {
+        "benchmark": "replay_path", "num_items": n, "mean_tokens": round(mean_tokens, 1),
+        "repeats": FLAGS.repeats, "actor_batch": FLAGS.actor_batch, "batch": FLAGS.batch,
+        "load_avg_1m_start": round(load_start, 2), "load_avg_1m_end": round(os.getloadavg()[0], 2)}
+    print(f"\n{n} rollouts of ~{mean_tokens:.0f} tokens, server in another process, "
+          f"{FLAGS.repeats} rounds (best / median), load {load_start:.1f} -> "
+          f"{figures['load_avg_1m_end']:.1f}\n")
+    print(f"{'path':<12}{'write/s':>16}{'read/s':>16}{'write+read/s':>16}{'vs raw':>9}")
+    for path, rounds in results.items():
+        row = []
+        for key, rates in (("write", [n / r["write_s"] for r in rounds]),
+                           ("read", [n / r["read_s"] for r in rounds]),
+                           ("write_read", [n / (r["write_s"] + r["read_s"]) for r in rounds])):
+            figures[f"{path}_{key}_per_s"] = round(max(rates))
+            figures[f"{path}_{key}_per_s_median"] = round(statistics.median(rates))
+            figures[f"{path}_{key}_per_s_min"] = round(min(rates))
+            row.append(f"{max(rates):>8.0f} / {statistics.median(rates):<5.0f}")
+        ratio = ""
+        if path != "raw":
+            for key in ("write", "read", "write_read"):
+                figures[f"ratio_{path}_over_raw_{key}"] = round(
+                    figures[f"{path}_{key}_per_s"] / figures[f"raw_{key}_per_s"], 3)
+            ratio = f"{figures[f'ratio_{path}_over_raw_write_read']:>8.2f}x"
+        print(f"{path:<12}{''.join(row)}{ratio:>9}")
+    if "ours" in results:
+        figures["target_ratio"] = TARGET
+        figures["target_met"] = figures["ratio_ours_over_raw_write_read"] >= TARGET
+        print(f"\nours / raw (write+read, best of rounds): "
+              f"{figures['ratio_ours_over_raw_write_read']:.2f} (target {TARGET}: "
+              f"{'met' if figures['target_met'] else 'missed'})\n")
     print(json.dumps(figures, sort_keys=True))
 
 

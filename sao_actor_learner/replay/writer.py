@@ -8,13 +8,22 @@ gRPC stream per item. So this writer keeps one long-lived `TrajectoryWriter` per
 per-token columns to the bucket (< 25% more tokens; Reverb's compression shrinks the zeros) and
 stores the true length in the `length` column, which the reader cuts back to.
 
-Measured by programs/benchmarks/replay_path.py (2 shared cores, server in another process, 2000
-rollouts of ~2k tokens, best of 5 rounds): this writer ~1.8-1.9k rollouts/s; the same writer with
-a new `TrajectoryWriter` per item instead of the bucket writers ~1.2k/s; the bare legacy `Writer`
-flushed per item ~6-7k/s (but no timeout is possible). A write is ~0.5 ms: the free-slot check
-(one `ServerInfo` round trip, ~0.15-0.2 ms), the confirmed insert (~0.2 ms), validation and
-padding (~0.1 ms). That is nothing next to generating a 2k-token rollout; batched writes would be
-the next step if it ever matters. Padding does not slow the reader (same read rate either way).
+Batches (issue 8). `write_many(rollouts, timeout_s)` inserts an actor's whole generation with the
+guarantees below: one free-slot check (the batch goes out whole while the table has room for it
+twice over; nearer full, one rollout per check, as `write`), every rollout of the group padded to
+the group's longest bucket and appended to that one bucket writer (so they land in order), one
+flush: one confirmation round trip per call instead of one per rollout. The appends go straight
+to Reverb's pybind writer (its Python wrapper's bookkeeping added ~50 us per rollout, half the
+append's own cost). A rollout may thus be padded beyond its own bucket, to its group's.
+
+Measured by programs/benchmarks/replay_path.py (2 shared cores, load 1-2.5, server in another
+process, 2000 rollouts of ~2k tokens, best of 5 rounds): `write_many` of 8 rollouts ~6.4k
+rollouts/s, `write` per rollout ~2.1k/s, the raw legacy `Writer` with one flush at the very end
+(no validation, no timeout, nothing confirmed until then) ~24k/s. Per rollout in `write_many`
+(~0.18 ms): append + create_item ~60-85 us (the pybind `TrajectoryWriter`; the legacy `Writer`
+takes ~40 us but its flush cannot time out), validation ~25-30 us, padding ~6 us, and a share of
+the per-call `ServerInfo` check (~0.18 ms) and confirmation round trip (~0.3 ms). Padding does
+not slow the reader.
 
 Timeouts. Reverb cannot withdraw an item once it is sent: an insert that waits in the rate limiter
 lands whenever a slot frees, even after its writer is closed (checked here). So `write` first
@@ -27,30 +36,36 @@ then:
   free slot, the ones that lose the race have their item wait in the server's rate limiter; it
   lands in order when the learner samples. Their `write` returns True after `timeout_s` (+50 ms
   at most) anyway (the item has been handed over and must not be sent again) and counts it in
-  `unconfirmed`; that bucket gets a fresh `TrajectoryWriter` so later items do not queue behind
-  it, and the writer counts its own waiting items as occupied slots in later checks. The table
-  itself never holds more than its capacity; about one more rollout per writer may wait at the
-  server, briefly.
+  `unconfirmed` (and `last_write_confirmed` is False: `take_landed` reports when it lands, for a
+  caller that keeps a copy until then); that bucket gets a fresh `TrajectoryWriter` so later
+  items do not queue behind it, and the writer counts its own waiting items as occupied slots in
+  later checks. The table itself never holds more than its capacity; about one more rollout per
+  writer may wait at the server, briefly (a whole `write_many` batch only if more than two
+  writers race for a table with room for two batches). `write_many` reports this per rollout:
+  `WriteResult.confirmed`, `.ticket`.
 * An unreachable server is polled like a full table; `ServerInfo` takes whole seconds of timeout,
   so `write` then returns False up to ~1 s after `timeout_s`.
 
 Validation runs before anything is sent; a bad rollout is never inserted, `write` returns False
-and counts the reason in `rejected` (see REJECT_REASONS), and never raises for bad data.
+(`write_many`: `WriteResult.rejected` names the reason) and counts the reason in `rejected` (see
+REJECT_REASONS), and never raises for bad data.
 
-One `RolloutWriter` per actor; `write` is serialised by a lock, so sharing one is safe but slow.
+One `RolloutWriter` per actor; `write` and `write_many` are serialised by a lock, so sharing one
+is safe but slow.
 """
 from __future__ import annotations
 
 import collections
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from absl import logging
 
-from sao_actor_learner.replay.tables import (DEFAULT_TABLE, LENGTH_COLUMN, LENGTH_DTYPE,
-                                             SERVER_INFO_TIMEOUT_S, connect, table_status)
+from sao_actor_learner.replay.tables import (DEFAULT_TABLE, FLAT_COLUMN_ORDER, LENGTH_COLUMN,
+                                             LENGTH_DTYPE, SERVER_INFO_TIMEOUT_S, connect,
+                                             table_status)
 from sao_actor_learner.types import (SCALAR_COLUMNS, SCALAR_DTYPES, TOKEN_COLUMNS, TOKEN_DTYPES,
                                      Rollout)
 
@@ -83,6 +98,26 @@ _MIN_CONFIRM_S = 0.05
 _POLL_START_S = 0.001
 _POLL_MAX_S = 0.02
 _MIN_BUCKET = 16
+
+
+class WriteResult(NamedTuple):
+    """What `RolloutWriter.write_many` did with one rollout.
+
+    inserted: handed to replay; never send it again.
+    confirmed: replay confirmed it before `write_many` returned. An inserted, unconfirmed one
+      waits in replay's rate limiter (another writer took its slot) and lands later: its
+      `ticket` comes back from `take_landed` then.
+    ticket: the insert's ticket (as `last_ticket` for `write`); -1 if not inserted.
+    rejected: the REJECT_REASONS key if validation refused it, else None. Neither inserted nor
+      rejected: the table stayed full until the timeout and nothing was sent; write it again.
+    """
+    inserted: bool
+    confirmed: bool
+    ticket: int
+    rejected: Optional[str]
+
+
+NOT_SENT = WriteResult(False, False, -1, None)
 
 
 def bucket_lengths(max_sequence_length: int, per_octave: int = 4,
@@ -129,6 +164,11 @@ class RolloutWriter:
         self._buckets = np.asarray(bucket_lengths(self.max_sequence_length, buckets_per_octave))
         self._writers: Dict[int, Any] = {}   # bucket length -> reverb.TrajectoryWriter
         self._retired: List[Any] = []        # writers with an unconfirmed item, until it lands
+        self._retired_tickets: List[List[int]] = []  # the tickets of each one's waiting items
+        self._landed: List[int] = []         # tickets of unconfirmed items since confirmed
+        self._tickets = 0                    # tickets handed out (one per `write` that sent)
+        self.last_ticket = -1                # the ticket of the last `write` that sent its item
+        self.last_write_confirmed = False    # whether it was confirmed before `write` returned
         self._rejected: collections.Counter = collections.Counter()
         self._inserted = 0
         self._timeouts = 0
@@ -158,6 +198,19 @@ class RolloutWriter:
         returned (another writer took the free slot first); they land in order."""
         return self._unconfirmed
 
+    def take_landed(self) -> List[int]:
+        """Tickets (`last_ticket` of their `write`) of items that were unconfirmed when their
+        `write` returned and have since landed in replay; each ticket is returned once.
+
+        An item is *confirmed* once replay has it; until then a caller that keeps a durable copy
+        (the actor's spool) must keep it: should the actor stop first, the item may never land
+        (at the end of a run nothing frees the slot it waits for)."""
+        with self._lock:
+            if self._retired and not self._closed:
+                self._reap_retired()
+            landed, self._landed = self._landed, []
+            return landed
+
     def stats(self) -> Dict[str, Any]:
         return {"inserted": self._inserted, "timeouts": self._timeouts,
                 "unconfirmed": self._unconfirmed, "rejected": self.rejected}
@@ -180,9 +233,61 @@ class RolloutWriter:
             if not self._wait_for_free_slot(deadline):
                 self._timeouts += 1
                 return False
-            self._send(columns, deadline)
+            self.last_ticket = self._tickets
+            self._tickets += 1
+            self.last_write_confirmed = self._send(columns, deadline)
             self._inserted += 1
             return True
+
+    def write_many(self, rollouts: Sequence[Rollout], timeout_s: float) -> List[WriteResult]:
+        """Inserts `rollouts` in order with the guarantees of `write`, one `WriteResult` each.
+
+        Issue 8: one free-slot check and one confirmation round trip per group of rollouts that
+        fits in the table's free slots (usually the whole batch), instead of one of each per
+        rollout. Invalid rollouts are rejected (nothing sent, counted in `rejected`). The valid
+        ones are sent in order: all at once while the table has room for them twice over, else
+        one per free-slot check (nearly full, other actors compete for the slots; a lost race
+        then leaves one rollout waiting in the rate limiter, as with `write`), until all are sent
+        or `timeout_s` passes; those not sent by then were not sent at all (counted in
+        `timeouts`): write them again later, no duplicate. The rollouts of one group are padded
+        to the group's longest bucket and go through one Reverb writer, so they land in order.
+        `last_ticket` / `last_write_confirmed` describe the last rollout sent.
+        """
+        deadline = time.monotonic() + max(0.0, float(timeout_s))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RolloutWriter.write_many() after close()")
+            results: List[WriteResult] = [NOT_SENT] * len(rollouts)
+            valid: List[Tuple[int, Dict[str, np.ndarray]]] = []
+            for i, rollout in enumerate(rollouts):
+                columns, reason = self.validate(rollout)
+                if reason is None:
+                    valid.append((i, columns))
+                else:
+                    self._reject(reason, rollout)
+                    results[i] = WriteResult(False, False, -1, reason)
+            sent = 0
+            while sent < len(valid):
+                free = int(self._wait_for_free_slot(deadline))
+                if free <= 0:
+                    break
+                # The rest at once while the table has room for it twice over; nearer full
+                # (other actors compete for the slots) one per check, as `write` does, so a
+                # lost race leaves one rollout waiting in the rate limiter, not a batch.
+                left = len(valid) - sent
+                group = valid[sent:sent + (left if free >= 2 * left else 1)]
+                first = self._tickets
+                self._tickets += len(group)
+                confirmed = self._send_group([columns for _, columns in group], first, deadline)
+                for k, ((i, _), ok) in enumerate(zip(group, confirmed)):
+                    results[i] = WriteResult(True, ok, first + k, None)
+                self._inserted += len(group)
+                sent += len(group)
+                self.last_ticket, self.last_write_confirmed = self._tickets - 1, confirmed[-1]
+                if not confirmed[-1]:
+                    break   # the deadline passed waiting for this group: send no more now
+            self._timeouts += len(valid) - sent
+            return results
 
     def validate(self, rollout: Rollout) -> Tuple[Optional[Dict[str, np.ndarray]], Optional[str]]:
         """(columns with exact dtypes, None) for a valid rollout, else (None, reason)."""
@@ -234,8 +339,9 @@ class RolloutWriter:
             logging.warning("RolloutWriter: rejected rollout (prompt_id=%s): %s: %s [%d so far]",
                             getattr(rollout, "prompt_id", "?"), reason, REJECT_REASONS[reason], n)
 
-    def _wait_for_free_slot(self, deadline: float) -> bool:
-        """Polls the table until the rate limiter would admit an insert, or the deadline."""
+    def _wait_for_free_slot(self, deadline: float) -> int:
+        """Polls the table until the rate limiter would admit an insert, or the deadline; returns
+        how many inserts it would admit (0: none by the deadline)."""
         delay = _POLL_START_S
         last_error: Optional[BaseException] = None
         while True:
@@ -246,8 +352,9 @@ class RolloutWriter:
                     self._client, self._table,
                     timeout_s=max(SERVER_INFO_TIMEOUT_S, int(np.ceil(remaining))))
                 # Our own items still waiting in the rate limiter will take slots first.
-                if size + len(self._retired) < capacity:
-                    return True
+                free = capacity - size - self._retired_pending()
+                if free > 0:
+                    return free
             except KeyError:
                 raise
             except Exception as e:  # unreachable or restarting server: keep trying until deadline
@@ -257,65 +364,95 @@ class RolloutWriter:
                 if last_error is not None:
                     logging.warning("RolloutWriter: replay at %s unreachable: %s",
                                     self._client.server_address, last_error)
-                return False
+                return 0
             time.sleep(min(delay, remaining))
             delay = min(2 * delay, _POLL_MAX_S)
 
     def _bucket(self, length: int) -> int:
         return int(self._buckets[np.searchsorted(self._buckets, length)])
 
-    def _send(self, columns: Dict[str, np.ndarray], deadline: float) -> None:
+    def _send(self, columns: Dict[str, np.ndarray], deadline: float) -> bool:
+        """Sends one item; True once replay confirmed it, False if it waits in the rate limiter
+        (its writer is retired with `last_ticket` until it lands: `take_landed`)."""
+        return self._send_group([columns], self.last_ticket, deadline)[0]
+
+    def _send_group(self, group: List[Dict[str, np.ndarray]], first_ticket: int,
+                    deadline: float) -> List[bool]:
+        """Sends the items of `group` (tickets first_ticket, first_ticket + 1, ...) through the
+        writer of the longest one's bucket, padded to it, then waits once for their confirmation
+        (until the deadline, at least _MIN_CONFIRM_S). Returns, per item, whether replay
+        confirmed it; the unconfirmed ones (always the last ones: one stream lands its items in
+        order) keep their writer alive, retired, until they land (`take_landed`)."""
         import reverb
 
-        length = int(columns[LENGTH_COLUMN])
-        bucket = self._bucket(length)
-        if bucket != length:
-            for name in TOKEN_COLUMNS:
-                padded = np.zeros(bucket, dtype=columns[name].dtype)
-                padded[:length] = columns[name]
-                columns[name] = padded
+        bucket = self._bucket(max(int(columns[LENGTH_COLUMN]) for columns in group))
         writer = self._writers.get(bucket)
         if writer is None:
             writer = self._client.trajectory_writer(num_keep_alive_refs=1)
             self._writers[bucket] = writer
         try:
-            writer.append(columns)
-            history = writer.history
-            writer.create_item(self._table, 1.0, {name: history[name][-1] for name in columns})
+            for columns in group:
+                self._append_item(writer, _padded(columns, bucket))
             wait_s = max(deadline - time.monotonic(), _MIN_CONFIRM_S)
             writer.flush(timeout_ms=int(wait_s * 1000))
         except reverb.errors.DeadlineExceededError:
             # Another writer took the slot: the item waits in the server's rate limiter and will
             # land. Keep this writer alive until it does; later items use a fresh one.
+            waiting = _waiting_items(writer, len(group))
             self._writers.pop(bucket, None)
             self._retired.append(writer)
-            self._unconfirmed += 1
+            self._retired_tickets.append(
+                list(range(first_ticket + len(group) - waiting, first_ticket + len(group))))
+            self._unconfirmed += waiting
             logging.log_every_n(logging.WARNING, "RolloutWriter: insert not yet confirmed after "
                                 "the timeout (another writer took the free slot); it waits in "
                                 "replay's rate limiter and lands when the learner samples", 100)
+            return [True] * (len(group) - waiting) + [False] * waiting
         except Exception as e:
             self._writers.pop(bucket, None)
             _close_quietly(writer)
             raise RuntimeError(f"RolloutWriter: inserting into table {self._table!r} at "
                                f"{self._client.server_address} failed: {e}") from e
+        return [True] * len(group)
+
+    def _append_item(self, writer: Any, columns: Dict[str, np.ndarray]) -> None:
+        """Appends one step and creates the item referencing it. Straight through the pybind
+        writer when Reverb's internals are those of 0.14 (the Python wrapper's structure
+        bookkeeping adds ~50 us, half the append's own cost), else through the public API.
+        Columns go in FLAT_COLUMN_ORDER, the order the table signature flattens to."""
+        internal = getattr(writer, "_writer", None)
+        if hasattr(internal, "Append") and hasattr(internal, "CreateItem"):
+            refs = internal.Append([columns[name] for name in FLAT_COLUMN_ORDER])
+            internal.CreateItem(self._table, 1.0, [[ref] for ref in refs], [True] * len(refs))
+            return
+        writer.append(columns)
+        history = writer.history
+        writer.create_item(self._table, 1.0, {name: history[name][-1] for name in columns})
+
+    def _retired_pending(self) -> int:
+        """Our items still waiting in replay's rate limiter."""
+        return sum(len(tickets) for tickets in self._retired_tickets)
 
     def _reap_retired(self) -> None:
-        """Closes retired writers whose item has landed."""
+        """Closes retired writers whose items have landed."""
         if not self._retired:
             return
         import reverb
 
-        keep = []
-        for writer in self._retired:
+        keep, keep_tickets = [], []
+        for writer, tickets in zip(self._retired, self._retired_tickets):
             try:
                 writer.flush(timeout_ms=1)  # not 0: Reverb reads timeout_ms=0 as "no timeout"
             except reverb.errors.DeadlineExceededError:
                 keep.append(writer)  # still waiting in the rate limiter
+                keep_tickets.append(tickets)
                 continue
-            except Exception as e:  # the stream broke (server gone): the item is lost
+            except Exception as e:  # the stream broke (server gone): never confirmed
                 logging.warning("RolloutWriter: an unconfirmed insert failed: %s", e)
+            else:
+                self._landed.extend(tickets)
             _close_quietly(writer)
-        self._retired = keep
+        self._retired, self._retired_tickets = keep, keep_tickets
 
     def close(self) -> None:
         """Closes the Reverb writers. Items already confirmed stay in replay."""
@@ -328,11 +465,11 @@ class RolloutWriter:
             if self._retired:
                 logging.warning("RolloutWriter: closing with %d inserts still waiting in replay's "
                                 "rate limiter; they land when the learner samples",
-                                len(self._retired))
+                                self._retired_pending())
             for writer in list(self._writers.values()) + self._retired:
                 _close_quietly(writer)
             self._writers.clear()
-            self._retired = []
+            self._retired, self._retired_tickets = [], []
 
     def __enter__(self) -> "RolloutWriter":
         return self
@@ -343,6 +480,33 @@ class RolloutWriter:
     def __repr__(self) -> str:
         return (f"RolloutWriter(table={self._table!r}, inserted={self._inserted}, "
                 f"timeouts={self._timeouts}, rejected={dict(self._rejected)})")
+
+
+def _padded(columns: Dict[str, np.ndarray], bucket: int) -> Dict[str, np.ndarray]:
+    """`columns` with the per-token columns zero-padded to `bucket` (a new dict)."""
+    length = int(columns[LENGTH_COLUMN])
+    if length == bucket:
+        return columns
+    out = dict(columns)
+    for name in TOKEN_COLUMNS:
+        padded = np.zeros(bucket, dtype=columns[name].dtype)
+        padded[:length] = columns[name]
+        out[name] = padded
+    return out
+
+
+def _waiting_items(writer: Any, sent: int) -> int:
+    """How many of the last `sent` items of `writer` replay has not confirmed yet (>= 1: called
+    after a flush timed out). One probe (`flush` with 1 ms) per count tried."""
+    import reverb
+
+    for waiting in range(1, sent):
+        try:
+            writer.flush(block_until_num_items=waiting, timeout_ms=1)
+            return waiting
+        except reverb.errors.DeadlineExceededError:
+            continue
+    return sent
 
 
 def _as_dtype(value: Any, dtype) -> np.ndarray:
@@ -362,11 +526,8 @@ def _as_dtype(value: Any, dtype) -> np.ndarray:
 
 
 def _all_finite(x: np.ndarray) -> bool:
-    """Whether every value is finite. A finite sum proves it (NaN and inf propagate); only a
-    non-finite sum (or an overflow) pays for the elementwise check."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        if np.isfinite(x.sum(dtype=np.float64)):
-            return True
+    """Whether every value is finite. (The elementwise check, ~1 us for 2k values; a finite-sum
+    shortcut needs np.errstate, which costs 3x that.)"""
     return bool(np.isfinite(x).all())
 
 

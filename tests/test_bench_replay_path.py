@@ -1,0 +1,45 @@
+"""Smoke test of programs/benchmarks/replay_path.py: every path on tiny settings through a real
+Reverb server in its own process (each path checks that its rollouts came back complete, in
+order and unchanged); checks the table came first and the JSON line's figures are consistent."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.timeout(120)
+PATHS = ("raw", "ours", "ours_plain", "before")
+
+
+def test_replay_path_benchmark_smoke():
+    n = 48
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "programs", "benchmarks", "replay_path.py"),
+         f"--num_items={n}", "--repeats=2", "--min_len=100", "--max_len=300",
+         "--max_sequence_length=512", "--vocab_size=1000", "--actor_batch=8", "--batch=16"],
+        cwd=REPO, capture_output=True, text=True, timeout=110,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    figures = json.loads(lines[-1])
+    assert any(line.startswith("path") and "write+read/s" in line for line in lines[:-1])
+    assert figures["benchmark"] == "replay_path" and figures["num_items"] == n
+    assert 100 <= figures["mean_tokens"] <= 300 and figures["repeats"] == 2
+    for path in PATHS:
+        for key in ("write", "read", "write_read"):
+            best = figures[f"{path}_{key}_per_s"]
+            assert 0 < figures[f"{path}_{key}_per_s_min"] <= \
+                figures[f"{path}_{key}_per_s_median"] <= best
+            if path != "raw":
+                assert figures[f"ratio_{path}_over_raw_{key}"] == pytest.approx(
+                    best / figures[f"raw_{key}_per_s"], abs=2e-3)
+        # write+read over both phases is slower than either phase alone
+        assert figures[f"{path}_write_read_per_s"] <= min(
+            figures[f"{path}_write_per_s"], figures[f"{path}_read_per_s"]) + 1
+    assert figures["target_ratio"] == 0.7
+    assert figures["target_met"] == (figures["ratio_ours_over_raw_write_read"] >= 0.7)
+    assert figures["load_avg_1m_start"] >= 0 and figures["load_avg_1m_end"] >= 0

@@ -1,0 +1,217 @@
+"""RolloutWriter.write_many (issue 8) on a real Reverb server: one result per rollout, in order,
+rejected ones never sent, what does not fit not sent at all, lost races reported as unconfirmed
+with tickets that come back from take_landed."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("reverb")
+
+from sao_actor_learner.replay import ReplayServer, RolloutReader, RolloutWriter, WriteResult
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_replay import MAX_LEN, VOCAB, _invalid_rollouts, assert_same, make_rollout  # noqa: E402
+
+
+@pytest.fixture
+def small_server():
+    srv = ReplayServer(queue_capacity=4).start()
+    yield srv
+    srv._shutdown()
+
+
+@pytest.fixture
+def server():
+    srv = ReplayServer(queue_capacity=32).start()
+    yield srv
+    srv._shutdown()
+
+
+def make_writer(srv, cls=RolloutWriter) -> RolloutWriter:
+    return cls(srv.address, max_sequence_length=MAX_LEN, vocab_size=VOCAB)
+
+
+def read_all(reader, n, timeout=5.0):
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got.extend(reader.sample(n - len(got), timeout_s=0.5))
+    return got
+
+
+def test_results_in_order_rejected_never_sent(server):
+    invalid = _invalid_rollouts()
+    bad = [(reason, cases[0]) for reason, cases in sorted(invalid.items())]
+    good = [make_rollout(L, seed=i) for i, L in enumerate([3, 64, 17, 40, 2, 33, 9])]
+    batch, expect = [], []
+    for i, r in enumerate(good):   # valid ones of several buckets, invalid ones in between
+        batch.append(r)
+        expect.append(None)
+        if i < len(bad):
+            batch.append(bad[i][1])
+            expect.append(bad[i][0])
+    with make_writer(server) as writer, RolloutReader(server.address) as reader:
+        results = writer.write_many(batch, timeout_s=5.0)
+        assert len(results) == len(batch)
+        tickets = []
+        for result, reason in zip(results, expect):
+            assert isinstance(result, WriteResult)
+            if reason is None:
+                assert result.inserted and result.confirmed and result.rejected is None
+                tickets.append(result.ticket)
+            else:
+                assert result == WriteResult(False, False, -1, reason)
+        assert tickets == list(range(len(good)))          # one ticket per insert, in order
+        assert writer.inserted == len(good) and writer.timeouts == 0
+        assert writer.rejected == {reason: 1 for reason, _ in bad[:len(good)]}
+        assert writer.last_ticket == tickets[-1] and writer.last_write_confirmed
+        assert reader.queue_size() == len(good)           # nothing invalid reached replay
+        got = read_all(reader, len(good))
+    assert len(got) == len(good)
+    for a, b in zip(good, got):                            # in order, unchanged, unpadded
+        assert_same(a, b)
+
+
+def test_sends_what_fits_and_nothing_more(small_server):
+    sent = [make_rollout(8 + i, seed=i) for i in range(7)]
+    with make_writer(small_server) as writer, RolloutReader(small_server.address) as reader:
+        t0 = time.monotonic()
+        results = writer.write_many(sent[:6], timeout_s=0.3)
+        assert 0.25 <= time.monotonic() - t0 < 2.0          # waited for room until the timeout
+        assert [r.inserted for r in results] == [True] * 4 + [False] * 2
+        assert all(r.confirmed for r in results[:4])
+        assert results[4:] == [WriteResult(False, False, -1, None)] * 2   # not sent at all
+        assert writer.timeouts == 2 and writer.inserted == 4 and writer.unconfirmed == 0
+        assert reader.queue_size() == 4
+        first = reader.sample(2, timeout_s=5.0, min_items=2)          # frees two slots
+        again = writer.write_many(sent[4:7], timeout_s=0.3)            # the same two, retried
+        assert [r.inserted for r in again] == [True, True, False]
+        rest = read_all(reader, 4)
+    # No duplicate of the attempts that sent nothing: exactly rollouts 0..5, in order.
+    assert [r.prompt_id for r in first + rest] == [r.prompt_id for r in sent[:6]]
+
+
+def test_fills_slots_freed_during_the_call(small_server):
+    sent = [make_rollout(5 + i, seed=20 + i) for i in range(7)]
+    with make_writer(small_server) as writer, RolloutReader(small_server.address) as reader:
+        assert all(r.inserted for r in writer.write_many(sent[:4], timeout_s=5.0))
+        got = []
+        timer = threading.Timer(0.2, lambda: got.extend(reader.sample(3, 5.0, min_items=3)))
+        timer.start()
+        results = writer.write_many(sent[4:], timeout_s=5.0)   # full now: waits for the reader
+        timer.join()
+        assert all(r.inserted and r.confirmed for r in results)
+        got.extend(read_all(reader, 4))
+    assert [r.prompt_id for r in got] == [r.prompt_id for r in sent]
+
+
+class _RaceLosingWriter(RolloutWriter):
+    """Sees room for 8 whatever the table holds: what a writer does when other writers take
+    the free slots between its check and its send."""
+
+    def _wait_for_free_slot(self, deadline):
+        return 8
+
+
+def test_lost_race_is_unconfirmed_then_lands_once(small_server):
+    with make_writer(small_server) as writer, RolloutReader(small_server.address) as reader:
+        assert all(r.confirmed for r in writer.write_many(
+            [make_rollout(8, seed=i) for i in range(2)], timeout_s=5.0))
+        racer = make_writer(small_server, _RaceLosingWriter)
+        late = [make_rollout(9 + i, seed=30 + i) for i in range(4)]
+        t0 = time.monotonic()
+        results = racer.write_many(late, timeout_s=0.3)      # 2 fit, 2 wait in the rate limiter
+        assert 0.25 <= time.monotonic() - t0 < 2.0
+        assert [r.inserted for r in results] == [True] * 4  # all handed over: never resend
+        assert [r.confirmed for r in results] == [True, True, False, False]
+        assert [r.ticket for r in results] == [0, 1, 2, 3]
+        assert racer.unconfirmed == 2 and racer.inserted == 4 and racer.take_landed() == []
+        assert reader.queue_size() == 4
+        got = reader.sample(4, timeout_s=5.0, min_items=4)   # frees 4: the 2 waiting land
+        deadline, landed = time.monotonic() + 5, []
+        while len(landed) < 2 and time.monotonic() < deadline:
+            landed += racer.take_landed()
+            time.sleep(0.01)
+        assert sorted(landed) == [2, 3] and racer.take_landed() == []
+        got += read_all(reader, 2)
+        racer.close()
+    assert [r.prompt_id for r in got[2:]] == [r.prompt_id for r in late]
+    for a, b in zip(late, got[2:]):
+        assert_same(a, b)
+
+
+class _RaceLosingNearlyFull(RolloutWriter):
+    """Sees 3 free slots whatever the table holds: never room for the rest twice over."""
+
+    def _wait_for_free_slot(self, deadline):
+        return 3
+
+
+def test_nearly_full_sends_one_per_check_so_a_lost_race_leaves_one_waiting(small_server):
+    with make_writer(small_server) as writer, RolloutReader(small_server.address) as reader:
+        assert all(r.confirmed for r in writer.write_many(
+            [make_rollout(8, seed=i) for i in range(2)], timeout_s=5.0))
+        racer = make_writer(small_server, _RaceLosingNearlyFull)
+        late = [make_rollout(9 + i, seed=50 + i) for i in range(4)]
+        results = racer.write_many(late, timeout_s=0.3)
+        assert [(r.inserted, r.confirmed) for r in results] == [
+            (True, True), (True, True), (True, False), (False, False)]
+        assert racer.unconfirmed == 1 and racer.timeouts == 1
+        got = read_all(reader, 5)                          # the waiting one lands, once
+        racer.close()
+    assert [r.prompt_id for r in got[2:]] == [r.prompt_id for r in late[:3]]
+
+
+class _PublicOnly:
+    """A reverb.TrajectoryWriter seen only through its public API (as if Reverb's internals
+    were not those of 0.14)."""
+
+    def __init__(self, writer):
+        self._w = writer
+
+    def append(self, data):
+        self._w.append(data)
+
+    @property
+    def history(self):
+        return self._w.history
+
+    def create_item(self, *args):
+        self._w.create_item(*args)
+
+    def flush(self, *args, **kwargs):
+        self._w.flush(*args, **kwargs)
+
+    def close(self):
+        self._w.close()
+
+
+def test_public_api_fallback_writes_the_same_items(server):
+    sent = [make_rollout(L, seed=60 + i) for i, L in enumerate([7, 30, 12, 64])]
+    with make_writer(server) as writer, RolloutReader(server.address) as reader:
+        client = writer._client
+
+        class _Client:   # what the writer uses of a reverb.Client
+            server_address = client.server_address
+            _client = client._client                  # ServerInfo, for the free-slot check
+
+            def trajectory_writer(self, **kwargs):
+                return _PublicOnly(client.trajectory_writer(**kwargs))
+
+        writer._client = _Client()
+        assert all(r.confirmed for r in writer.write_many(sent, timeout_s=5.0))
+        assert all(isinstance(w, _PublicOnly) for w in writer._writers.values())
+        got = read_all(reader, len(sent))
+    for a, b in zip(sent, got):
+        assert_same(a, b)
+
+
+def test_after_close_and_empty(small_server):
+    writer = make_writer(small_server)
+    assert writer.write_many([], timeout_s=0.1) == []
+    writer.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        writer.write_many([make_rollout(4, seed=1)], timeout_s=0.1)
