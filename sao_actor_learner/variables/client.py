@@ -1,6 +1,8 @@
 """Clients of the variable server: the learner's publisher and the actors' variable client.
 
-`VariablePublisher` streams a new policy version (opaque bytes) in chunks with its sha256.
+`VariablePublisher` streams a new policy version (opaque bytes, or a sequence of buffers such as
+`ckpt.state_dict_to_buffers` gives, streamed without first joining them) in chunks with its
+CRC-32.
 `VariableClient` follows Acme's VariableClient: `update()` polls the server's newest version at
 most every `update_period_s` and fetches new weights in a background thread, so the caller
 (an actor's rollout loop) never blocks on it; `update_and_wait()` and `wait_for_version()` block.
@@ -9,6 +11,12 @@ Both hold only their address and settings until the first call, so they can be b
 process and pickled into another (channels are created lazily, per process). Neither imports
 torch: `decode` (e.g. safetensors bytes -> state dict) is supplied by the caller and must be
 picklable (a module-level function) if the client is pickled.
+
+This code copies weight bytes once on each side, gRPC's own copies aside (issue 8,
+BENCHMARKS.md section 4): chunk messages are framed around slices of the payload, and their data
+is located in the received bytes without protobuf's two copies (wire.py); a fetched version is
+assembled into the buffer of a version the client dropped once nothing references that any more
+(buffers.py), and checked against the server's CRC-32 (its sha256 when a server sends no CRC).
 """
 from __future__ import annotations
 
@@ -16,13 +24,15 @@ import dataclasses
 import hashlib
 import threading
 import time
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import grpc
 from absl import logging
 
 from sao_actor_learner import core
 from sao_actor_learner.protos_gen import variables_pb2, variables_pb2_grpc
+from sao_actor_learner.variables import wire
+from sao_actor_learner.variables.buffers import BufferPool, PayloadAssembler
 from sao_actor_learner.variables.security import auth_interceptor, channel_credentials
 
 PUBLISHER_TOKEN_METADATA_KEY = "x-sao-publisher-token"  # same as server.py (kept import-light)
@@ -32,6 +42,10 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 Payload = Union[bytes, bytearray, memoryview]
+# One buffer, or several streamed back to back as one payload (e.g. a safetensors header and
+# then each tensor's bytes: ckpt.state_dict_to_buffers).
+PublishPayload = Union[Payload, Sequence[Any]]
+_SERVICE = "/" + variables_pb2.DESCRIPTOR.services_by_name["VariableService"].full_name
 
 
 class VariableClientError(RuntimeError):
@@ -78,6 +92,7 @@ def _channel_options(max_message_bytes: int):
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
         ("grpc.enable_http_proxy", 0),
+        *wire.BULK_TRANSFER_OPTIONS,
     ]
 
 
@@ -107,6 +122,7 @@ class _LazyChannel:
         self.tls_root_cert = tls_root_cert
         self.tls_server_name = tls_server_name
         self._channel: Optional[grpc.Channel] = None
+        self._call_channel: Optional[grpc.Channel] = None   # with the auth interceptor
         self._stub: Optional[variables_pb2_grpc.VariableServiceStub] = None
         self._channel_lock = threading.Lock()
         self._closed = False
@@ -131,13 +147,20 @@ class _LazyChannel:
                 channel = self._channel
                 if self.auth_token:
                     channel = grpc.intercept_channel(channel, auth_interceptor(self.auth_token))
+                self._call_channel = channel
                 self._stub = variables_pb2_grpc.VariableServiceStub(channel)
             return self._stub
+
+    def _get_channel(self) -> grpc.Channel:
+        """The channel calls go through (with the auth token when there is one)."""
+        self._get_stub()
+        return self._call_channel
 
     def _close_channel(self) -> None:
         with self._channel_lock:
             self._closed = True
             channel, self._channel, self._stub = self._channel, None, None
+            self._call_channel = None
         if channel is not None:
             channel.close()
 
@@ -180,46 +203,71 @@ class VariablePublisher(_LazyChannel):
     def max_message_bytes(self) -> int:
         return self._max_message_bytes
 
-    def _chunks(self, version: int, payload: memoryview, sha256: str, dropped_total: int):
-        total = payload.nbytes
+    def _chunks(self, version: int, views: List[memoryview], total: int,
+                dropped_total: int):
+        """Serialized PublishChunks of `views` (one payload): each is the small fields plus a
+        data field framed around slices of the views (one copy, into the bytes gRPC sends). The
+        CRC-32 of the payload, computed on the way, goes in the last chunk."""
+        crc = 0
+        part, part_offset = 0, 0
         offset = 0
-        first = True
         while True:
             end = min(offset + self.chunk_bytes, total)
-            chunk = variables_pb2.PublishChunk(version=version, data=payload[offset:end].tobytes())
-            if first:
-                chunk.total_bytes = total
-                chunk.format = self.format
-                chunk.dropped_total = dropped_total
-                first = False
+            slices = []
+            need = end - offset
+            while need:
+                view = views[part]
+                take = min(need, view.nbytes - part_offset)
+                if take:
+                    piece = view[part_offset:part_offset + take]
+                    slices.append(piece)
+                    crc = wire.crc32(piece, crc)
+                    part_offset += take
+                    need -= take
+                if part_offset == view.nbytes:
+                    part, part_offset = part + 1, 0
+            head = variables_pb2.PublishChunk(version=version)
+            if offset == 0:
+                head.total_bytes = total
+                head.format = self.format
+                head.dropped_total = dropped_total
             if end >= total:
-                chunk.sha256 = sha256
-                chunk.last = True
-                yield chunk
+                head.crc32 = crc
+                head.last = True
+            yield wire.encode_chunk(head.SerializeToString(), slices)
+            if end >= total:
                 return
-            yield chunk
             offset = end
 
-    def publish(self, version: int, payload: Payload, dropped_total: int = 0,
+    def publish(self, version: int, payload: PublishPayload, dropped_total: int = 0,
                 timeout_s: float = 120.0) -> int:
         """Streams `payload` as policy `version`; returns the version once the server holds it.
 
-        Waits up to `timeout_s` for the server to come up. `dropped_total`: rollouts the
-        learner has dropped so far (admission credit). Raises PublishError naming the cause.
+        `payload`: bytes-like, or a list/tuple of bytes-likes sent back to back as one payload
+        (not copied first; they must not change until publish returns). Waits up to `timeout_s`
+        for the server to come up. `dropped_total`: rollouts the learner has dropped so far
+        (admission credit). Raises PublishError naming the cause.
         """
         if version < 0:
             raise ValueError(f"version={version}: must be >= 0")
         if dropped_total < 0:
             raise ValueError(f"dropped_total={dropped_total}: must be >= 0")
-        view = memoryview(payload).cast("B")
-        sha256 = hashlib.sha256(view).hexdigest()
+        parts = payload if isinstance(payload, (list, tuple)) else (payload,)
+        try:
+            views = [memoryview(p).cast("B") for p in parts]
+        except TypeError as e:
+            raise TypeError(f"publish payload: {e}; pass bytes, a bytearray, a memoryview or a "
+                            "list of them") from None
+        total = sum(v.nbytes for v in views)
         metadata = ((PUBLISHER_TOKEN_METADATA_KEY, self.publisher_token),) \
             if self.publisher_token else None
         start = time.monotonic()
+        call = self._get_channel().stream_unary(
+            f"{_SERVICE}/Publish", request_serializer=None,
+            response_deserializer=variables_pb2.PublishReply.FromString)
         try:
-            reply = self._get_stub().Publish(
-                self._chunks(version, view, sha256, dropped_total), timeout=timeout_s,
-                metadata=metadata, wait_for_ready=True)
+            reply = call(self._chunks(version, views, total, dropped_total), timeout=timeout_s,
+                         metadata=metadata, wait_for_ready=True)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             hint = ""
@@ -228,13 +276,13 @@ class VariablePublisher(_LazyChannel):
             elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 hint = (f" (chunk_bytes={self.chunk_bytes} may exceed the server's "
                         "max_message_bytes: lower chunk_bytes or raise max_message_bytes)")
-            raise PublishError(f"publish of version {version} ({view.nbytes} bytes) to "
+            raise PublishError(f"publish of version {version} ({total} bytes) to "
                                f"{self._address} failed: {_describe(e)}{hint}", code) from None
-        if reply.version != version or reply.num_bytes != view.nbytes:
-            raise PublishError(f"publish of version {version} ({view.nbytes} bytes): the server "
+        if reply.version != version or reply.num_bytes != total:
+            raise PublishError(f"publish of version {version} ({total} bytes): the server "
                                f"acknowledged version {reply.version} with {reply.num_bytes} "
                                "bytes")
-        logging.info("Published version %d (%d bytes) to %s in %.3f s", version, view.nbytes,
+        logging.info("Published version %d (%d bytes) to %s in %.3f s", version, total,
                      self._address, time.monotonic() - start)
         return reply.version
 
@@ -249,8 +297,9 @@ class VariableClient(_LazyChannel, core.VariableSource):
     Args:
       address: "host:port" of the server (it may not be listening yet).
       update_period_s: `update()` polls the server at most this often.
-      decode: turns fetched payload bytes into `params` (e.g. safetensors -> state dict);
-        None keeps the raw bytes. Runs in the fetching thread.
+      decode: turns a fetched payload (a bytearray) into `params` (e.g. safetensors -> state
+        dict); None keeps the payload itself. Runs in the fetching thread. The client never
+        writes into a payload again while anything references it (or a view of it).
       fetch_chunk_bytes: chunk size asked of the server (0: the server's default).
       rpc_timeout_s: deadline of one LatestVersion/FetchWeights call.
       max_backoff_s: longest pause between polls while the server is unreachable.
@@ -287,6 +336,8 @@ class VariableClient(_LazyChannel, core.VariableSource):
         self._fetch_lock = threading.Lock()     # one check-and-fetch at a time
         self._version = -1
         self._params: Any = None
+        self._payload: Optional[bytearray] = None   # the held version's bytes (before decode)
+        self._buffers = BufferPool(max_spares=1)    # a dropped payload's buffer, for reuse
         self._sha256 = ""
         self._next_check = 0.0                  # time.monotonic() of the next allowed poll
         self._backoff_s = 0.0
@@ -388,12 +439,17 @@ class VariableClient(_LazyChannel, core.VariableSource):
                                     "one is published", self._address, info.version, current,
                                     current)
                 return False
-            version, payload, sha256 = self._fetch(stub, deadline, wait_for_ready)
+            version, payload, sha256 = self._fetch(wait_for_ready, deadline)
             params = self.decode(payload) if self.decode is not None else payload
             with self._state_lock:
                 if version <= self._version:
+                    self._buffers.give(payload)
                     return False
+                previous = self._payload
                 self._version, self._params, self._sha256 = version, params, sha256
+                self._payload = payload
+            # Reused for a later version once nothing references it (buffers.py).
+            self._buffers.give(previous)
             logging.log_every_n_seconds(logging.INFO, "VariableClient: now at version %d "
                                         "(%d bytes) from %s", 10, version, len(payload),
                                         self._address)
@@ -401,36 +457,62 @@ class VariableClient(_LazyChannel, core.VariableSource):
         finally:
             self._fetch_lock.release()
 
-    def _fetch(self, stub, deadline: float, wait_for_ready: bool,
-               version: int = -1) -> Tuple[int, bytes, str]:
-        """Streams the newest version (or `version` >= 0) and verifies size, version, sha256."""
-        stream = stub.FetchWeights(
-            variables_pb2.FetchRequest(version=version, chunk_bytes=self.fetch_chunk_bytes),
-            timeout=max(deadline - time.monotonic(), 0.001), wait_for_ready=wait_for_ready)
-        buf = bytearray()
-        digest = hashlib.sha256()
-        version, total, claimed = None, 0, ""
-        for chunk in stream:
+    def _fetch(self, wait_for_ready: bool, deadline: float,
+               version: int = -1) -> Tuple[int, bytearray, str]:
+        """Streams the newest version (or `version` >= 0) and verifies size, version and
+        checksum (the server's CRC-32; its sha256 when it sends no CRC). Returns (version,
+        payload, sha256 the server gave)."""
+        stream = self._get_channel().unary_stream(
+            f"{_SERVICE}/FetchWeights",
+            request_serializer=variables_pb2.FetchRequest.SerializeToString,
+            response_deserializer=None)(
+                variables_pb2.FetchRequest(version=version, chunk_bytes=self.fetch_chunk_bytes),
+                timeout=max(deadline - time.monotonic(), 0.001), wait_for_ready=wait_for_ready)
+        assembly: Optional[PayloadAssembler] = None
+        digest = None
+        crc = 0
+        version, claimed_sha, claimed_crc = None, "", None
+        for raw in stream:
+            try:
+                rest, data = wire.split_data_field(raw)
+                chunk = variables_pb2.WeightsChunk.FromString(rest)
+            except Exception as e:  # noqa: BLE001 - MalformedMessage, protobuf DecodeError
+                stream.cancel()
+                raise _CorruptFetch(f"malformed WeightsChunk ({len(raw)} bytes): {e}") from None
             if version is None:
-                version, total, claimed = chunk.version, chunk.total_bytes, chunk.sha256
+                version, claimed_sha = chunk.version, chunk.sha256
+                claimed_crc = chunk.crc32 if chunk.HasField("crc32") else None
+                if claimed_crc is None:
+                    digest = hashlib.sha256()
+                assembly = PayloadAssembler(chunk.total_bytes, self._buffers)
             elif chunk.version != version:
                 stream.cancel()
                 raise _CorruptFetch(f"chunk of version {chunk.version} inside a stream of "
                                     f"version {version}")
-            if len(buf) + len(chunk.data) > total:
+            if assembly.received + data.nbytes > assembly.total:
                 stream.cancel()
-                raise _CorruptFetch(f"version {version}: more than the announced {total} bytes")
-            buf += chunk.data
-            digest.update(chunk.data)
+                raise _CorruptFetch(f"version {version}: more than the announced "
+                                    f"{assembly.total} bytes")
+            assembly.add(data)
+            if digest is not None:
+                digest.update(data)
+            else:
+                crc = wire.crc32(data, crc)
         if version is None:
             raise _CorruptFetch("FetchWeights returned no chunks")
-        if len(buf) != total:
-            raise _CorruptFetch(f"version {version}: got {len(buf)} of {total} bytes")
-        actual = digest.hexdigest()
-        if actual != claimed.lower():
-            raise _CorruptFetch(f"version {version}: sha256 {actual} does not match the "
-                                f"server's {claimed!r}; discarded")
-        return version, bytes(buf), actual
+        payload = assembly.payload()
+        if assembly.received != assembly.total:
+            raise _CorruptFetch(f"version {version}: got {assembly.received} of "
+                                f"{assembly.total} bytes")
+        if digest is not None and digest.hexdigest() != claimed_sha.lower():
+            self._buffers.give(payload)
+            raise _CorruptFetch(f"version {version}: sha256 {digest.hexdigest()} does not match "
+                                f"the server's {claimed_sha!r}; discarded")
+        if digest is None and crc != claimed_crc:
+            self._buffers.give(payload)
+            raise _CorruptFetch(f"version {version}: CRC-32 {crc:#010x} does not match the "
+                                f"server's {claimed_crc:#010x}; discarded")
+        return version, payload, claimed_sha.lower()
 
     def _join_background(self, timeout_s: float) -> None:
         thread = self._thread
@@ -500,7 +582,7 @@ class VariableClient(_LazyChannel, core.VariableSource):
             raise ValueError(f"version={version}: must be >= 0")
         deadline = time.monotonic() + timeout_s
         try:
-            got, payload, _ = self._fetch(self._get_stub(), deadline, True, version=version)
+            got, payload, _ = self._fetch(True, deadline, version=version)
         except grpc.RpcError as e:
             raise VariableClientError(f"FetchWeights(version={version}) from {self._address} "
                                       f"failed: {_describe(e)}", e.code()) from None

@@ -259,5 +259,10 @@ class SafetensorsValidator:
             begin, end = entry["data_offsets"]
             values = np.frombuffer(view[start + begin:start + end],
                                    dtype=_FLOAT_NUMPY[entry["dtype"]])
-            if not np.isfinite(values.sum(dtype=np.float64)) and not np.isfinite(values).all():
+            # A sum is NaN/inf when any value is; one in the tensor's own precision (F16: F32)
+            # runs ~3x faster than in float64 (issue 8). A sum that merely overflows is cleared
+            # by the exact check.
+            with np.errstate(over="ignore", invalid="ignore"):
+                total = values.sum(dtype=np.float32 if values.dtype == np.float16 else None)
+            if not np.isfinite(total) and not np.isfinite(values).all():
                 raise PayloadRejected(f"tensor {name!r} holds NaN or infinite values")

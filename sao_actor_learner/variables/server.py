@@ -1,8 +1,8 @@
 """The variable server: a gRPC node holding the newest published policy and admission counters.
 
 The learner publishes each policy version (opaque bytes, safetensors in practice) in chunks with
-a sha256; actors and evaluators poll `LatestVersion`, stream `FetchWeights` and ask `Admit`
-before starting a rollout (SAO.md section 6, AReaL's staleness rule).
+a CRC-32 and/or a sha256; actors and evaluators poll `LatestVersion`, stream `FetchWeights` and
+ask `Admit` before starting a rollout (SAO.md section 6, AReaL's staleness rule).
 
 Every request is parsed by hand from raw bytes so that a malformed message gets an
 INVALID_ARGUMENT naming what was wrong (gRPC's default answer is a bare INTERNAL), and no bad
@@ -10,6 +10,13 @@ request can stop the server. The payload is never interpreted here (no torch imp
 `validate_payload` hook (security.SafetensorsValidator in a program) checks names, shapes and
 dtypes before a version becomes visible. With an `auth_token` every call must carry it
 (security.py); binding a non-loopback host without one is refused; TLS is optional.
+
+Weight bytes are not copied more than needed (issue 8, BENCHMARKS.md section 4): chunk data is
+located in the raw request (wire.py) and copied once, into a receive buffer reused from an
+evicted version (buffers.py); fetched chunks are framed around a slice of the held payload. The
+server computes both the sha256 of every payload (the version's identity, as before; in a helper
+thread, overlapping the receive) and its CRC-32 (wire.crc32, ~20 GB/s), which publishers send
+and clients check: the transit checks, as the sha256 was before, at a quarter of its cost.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import collections
 import dataclasses
 import hashlib
 import hmac
+import queue
 import threading
 import time
 from concurrent import futures
@@ -28,6 +36,8 @@ from google.protobuf import message as pb_message
 
 from sao_actor_learner import core
 from sao_actor_learner.protos_gen import variables_pb2
+from sao_actor_learner.variables import wire
+from sao_actor_learner.variables.buffers import BufferPool, PayloadAssembler
 from sao_actor_learner.variables.security import (AUTH_TOKEN_METADATA_KEY, check_bind,
                                                   server_credentials)
 
@@ -44,17 +54,56 @@ MAX_TRACKED_ACTORS = 4096
 
 @dataclasses.dataclass(frozen=True)
 class PublishedVersion:
-    """One fully received and verified policy version. Immutable once visible."""
+    """One fully received and verified policy version. Immutable: filling in its sha256 (see
+    below) replaces the record."""
     version: int
     payload: memoryview          # read-only view of the assembled bytes
-    sha256: str
+    sha256: str                  # "" from the moment the version is visible (its CRC-32 and
+                                 # the validator passed) until the digest is recorded, just
+                                 # before Publish answers
     format: str
     dropped_total: int
     publish_time: float
+    crc32: int = 0               # CRC-32 (zlib.crc32) of the payload
 
     @property
     def num_bytes(self) -> int:
         return self.payload.nbytes
+
+
+class _Sha256Behind:
+    """The sha256 of a stream of buffers, hashed by a helper thread while the caller receives
+    and copies the next ones (hashlib releases the GIL): on two cores a publish then takes
+    about max(receive + copy + CRC, sha256) instead of their sum. At most `max_pending`
+    buffers wait (each one is kept alive until hashed)."""
+
+    def __init__(self, max_pending: int = 8):
+        self._pending: "queue.Queue" = queue.Queue(maxsize=max_pending)
+        self._digest = hashlib.sha256()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="variable-server-sha256")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            data = self._pending.get()
+            if data is None:
+                return
+            self._digest.update(data)
+
+    def update(self, data) -> None:
+        self._pending.put(data)
+
+    def hexdigest(self) -> str:
+        """Waits for the buffers given so far, then the hex digest. Ends the helper thread."""
+        self.close()
+        return self._digest.hexdigest()
+
+    def close(self) -> None:
+        """Ends the helper thread (after hashing what is queued). Idempotent."""
+        if self._thread.is_alive():
+            self._pending.put(None)
+            self._thread.join()
 
 
 class _Abort(Exception):
@@ -77,6 +126,19 @@ def _parse(message_cls, data: bytes, what: str):
                      f"{message_cls.DESCRIPTOR.full_name} ({e}); send a serialized "
                      f"{message_cls.DESCRIPTOR.name}") from None
     return msg
+
+
+def _parse_chunk(message_cls, raw: bytes, what: str):
+    """(message without data, zero-copy view of its data) of a chunk message; malformed bytes
+    become INVALID_ARGUMENT naming `what`."""
+    try:
+        rest, data = wire.split_data_field(raw)
+    except wire.MalformedMessage as e:
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                     f"malformed {what}: could not parse {len(raw)} bytes as "
+                     f"{message_cls.DESCRIPTOR.full_name} ({e}); send a serialized "
+                     f"{message_cls.DESCRIPTOR.name}") from None
+    return _parse(message_cls, rest, what), data
 
 
 class VariableServer(core.Worker):
@@ -158,6 +220,8 @@ class VariableServer(core.Worker):
 
         self._lock = threading.Lock()            # guards everything below
         self._versions: Deque[PublishedVersion] = collections.deque(maxlen=keep_versions)
+        # The buffer of an evicted version receives a later one (buffers.py).
+        self._buffers = BufferPool(max_spares=1)
         self._started_total = 0
         self._started_by_actor: Dict[str, int] = collections.Counter()
         self._counters: Dict[str, int] = collections.Counter()
@@ -193,6 +257,7 @@ class VariableServer(core.Worker):
                 ("grpc.max_send_message_length", self._max_message_bytes),
                 ("grpc.max_receive_message_length", self._max_message_bytes),
                 ("grpc.so_reuseport", 0),
+                *wire.BULK_TRANSFER_OPTIONS,
             ]
             server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=self._max_workers,
@@ -278,9 +343,8 @@ class VariableServer(core.Worker):
             "LatestVersion": grpc.unary_unary_rpc_method_handler(
                 self._guard_unary(self._latest_version, "LatestVersion"),
                 response_serializer=ser),
-            "FetchWeights": grpc.unary_stream_rpc_method_handler(
-                self._guard_stream(self._fetch_weights, "FetchWeights"),
-                response_serializer=ser),
+            "FetchWeights": grpc.unary_stream_rpc_method_handler(   # yields framed bytes
+                self._guard_stream(self._fetch_weights, "FetchWeights")),
             "Admit": grpc.unary_unary_rpc_method_handler(
                 self._guard_unary(self._admit, "Admit"), response_serializer=ser),
         }
@@ -392,14 +456,23 @@ class VariableServer(core.Worker):
                  context: grpc.ServicerContext) -> variables_pb2.PublishReply:
         start = time.monotonic()
         self._check_token(context)
-        buf = bytearray()
-        digest = hashlib.sha256()
+        digest = _Sha256Behind()
+        try:
+            return self._receive_publish(request_iterator, digest, start)
+        finally:
+            digest.close()
+
+    def _receive_publish(self, request_iterator: Iterator[bytes], digest: "_Sha256Behind",
+                         start: float) -> variables_pb2.PublishReply:
+        assembly: Optional[PayloadAssembler] = None
+        crc = 0
         first: Optional[variables_pb2.PublishChunk] = None
-        sha_claimed = ""
+        last: Optional[variables_pb2.PublishChunk] = None
         n_chunks = 0
         for raw in request_iterator:
-            chunk = _parse(variables_pb2.PublishChunk, raw, f"PublishChunk #{n_chunks}")
-            if sha_claimed:
+            chunk, data = _parse_chunk(variables_pb2.PublishChunk, raw,
+                                       f"PublishChunk #{n_chunks}")
+            if last is not None:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                              f"Publish: chunk #{n_chunks} arrived after the chunk with last=true; "
                              "end the stream after the last chunk")
@@ -419,6 +492,7 @@ class VariableServer(core.Worker):
                                  f"Publish dropped_total={chunk.dropped_total}: must be >= 0")
                 with self._lock:   # fail early, checked again at commit
                     self._check_newer(chunk.version, allow_current=True)
+                assembly = PayloadAssembler(chunk.total_bytes, self._buffers)
             else:
                 if chunk.version != first.version:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -429,56 +503,83 @@ class VariableServer(core.Worker):
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"Publish: chunk #{n_chunks} has total_bytes={chunk.total_bytes} "
                                  f"but the first chunk said {first.total_bytes}")
-            if len(buf) + len(chunk.data) > first.total_bytes:
+            if assembly.received + data.nbytes > first.total_bytes:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"Publish: received {len(buf) + len(chunk.data)} bytes by chunk "
+                             f"Publish: received {assembly.received + data.nbytes} bytes by chunk "
                              f"#{n_chunks}, more than total_bytes={first.total_bytes} announced "
                              "on the first chunk")
-            buf += chunk.data
-            digest.update(chunk.data)
+            assembly.add(data)
+            digest.update(data)
+            crc = wire.crc32(data, crc)
             n_chunks += 1
             if chunk.last:
-                sha_claimed = chunk.sha256 or "<missing>"
+                last = chunk
         if first is None:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                          "Publish: the stream had no chunks; send at least one PublishChunk "
                          "with last=true")
-        if not sha_claimed:
+        received = assembly.received
+        if last is None:
+            self._buffers.give(assembly.payload())
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                          f"Publish version={first.version}: the stream ended after {n_chunks} "
-                         f"chunks ({len(buf)} bytes) without a chunk with last=true; the "
+                         f"chunks ({received} bytes) without a chunk with last=true; the "
                          "publish is incomplete and was discarded")
-        if len(buf) != first.total_bytes:
+        if received != first.total_bytes:
+            self._buffers.give(assembly.payload())
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"Publish version={first.version}: received {len(buf)} bytes but "
+                         f"Publish version={first.version}: received {received} bytes but "
                          f"total_bytes={first.total_bytes}; the payload is truncated and was "
                          "discarded")
-        actual = digest.hexdigest()
-        if sha_claimed == "<missing>":
+        problem = ""
+        if not last.sha256 and not last.HasField("crc32"):
+            problem = ("the last chunk has no sha256 and no crc32; set either to the checksum of "
+                       "the whole payload (hex sha256, or zlib.crc32)")
+        elif last.HasField("crc32") and last.crc32 != crc:
+            problem = (f"crc32 mismatch (last chunk says {last.crc32:#010x}, payload has "
+                       f"{crc:#010x}); the payload was corrupted in transit and was discarded")
+        # The sha256 is the version's identity. After a verified CRC-32 (the transit check) the
+        # version becomes visible while the helper thread finishes hashing, and Publish answers
+        # once the digest is recorded; a claimed sha256, or a republish of the visible version
+        # (compared by digest), needs the digest first.
+        with self._lock:
+            republish = bool(self._versions) and self._versions[-1].version == first.version
+        actual = ""
+        if not problem and (last.sha256 or republish):
+            actual = digest.hexdigest()
+            if last.sha256 and not hmac.compare_digest(last.sha256.lower().encode(),
+                                                       actual.encode()):
+                problem = (f"sha256 mismatch (last chunk says {last.sha256[:80]!r}, payload "
+                           f"hashes to {actual}); the payload was corrupted in transit and was "
+                           "discarded")
+        if problem:
+            self._buffers.give(assembly.payload())
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"Publish version={first.version}: the last chunk has no sha256; set it "
-                         "to the hex sha256 of the whole payload")
-        if not hmac.compare_digest(sha_claimed.lower().encode(), actual.encode()):
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"Publish version={first.version}: sha256 mismatch (last chunk says "
-                         f"{sha_claimed[:80]!r}, payload hashes to {actual}); the payload was "
-                         "corrupted in transit and was discarded")
-        payload = memoryview(buf).toreadonly()
+                         f"Publish version={first.version}: {problem}")
+        payload = memoryview(assembly.payload()).toreadonly()
+        del assembly
         if self._validate_payload is not None:
             try:
                 self._validate_payload(first.version, payload, first.format)
             except ValueError as e:
+                self._buffers.give(payload.obj)
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                              f"Publish version={first.version}: payload rejected: {e}; the "
                              "version was discarded") from None
         record = PublishedVersion(
             version=first.version, payload=payload, sha256=actual,
-            format=first.format, dropped_total=first.dropped_total, publish_time=time.time())
+            format=first.format, dropped_total=first.dropped_total, publish_time=time.time(),
+            crc32=crc)
         with self._lock:
             current = self._versions[-1] if self._versions else None
             if current is not None and current.version == record.version:
                 # A republish of the visible version: the learner refreshing its admission
                 # credit (e.g. during value pretraining, when the weights do not change).
+                if not current.sha256 or not record.sha256:
+                    raise _Abort(grpc.StatusCode.UNAVAILABLE,
+                                 f"Publish version={record.version}: another Publish of this "
+                                 "version is still being hashed; publish from one learner, one "
+                                 "version at a time")
                 if current.sha256 != record.sha256:
                     raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
                                  f"Publish version={record.version} repeats the current version "
@@ -486,6 +587,7 @@ class VariableServer(core.Worker):
                 self._versions[-1] = dataclasses.replace(current, dropped_total=max(
                     current.dropped_total, record.dropped_total))
                 self._counters["republished"] = self._counters.get("republished", 0) + 1
+                self._buffers.give(payload.obj)     # reusable once `record` is gone
                 return variables_pb2.PublishReply(version=record.version,
                                                   num_bytes=record.num_bytes)
             self._check_newer(record.version)
@@ -494,8 +596,17 @@ class VariableServer(core.Worker):
                 logging.warning("VariableServer: dropped_total went down from %d to %d with "
                                 "version %d (learner restarted?); admission capacity shrinks",
                                 previous.dropped_total, record.dropped_total, record.version)
+            if len(self._versions) == self._versions.maxlen:
+                # Evicted: its buffer receives a later version once no fetch streams it.
+                self._buffers.give(self._versions[0].payload.obj)
             self._versions.append(record)             # the atomic swap
             self._counters["published"] += 1
+        if not actual:                                # visible; clients may be fetching it
+            actual = digest.hexdigest()
+            with self._lock:
+                for i, held in enumerate(self._versions):
+                    if held.version == record.version and not held.sha256:
+                        self._versions[i] = dataclasses.replace(held, sha256=actual)
         logging.info("VariableServer: published version %d (%d bytes, %d chunks, sha256 %s…) "
                      "in %.3f s", record.version, record.num_bytes, n_chunks, actual[:12],
                      time.monotonic() - start)
@@ -513,8 +624,9 @@ class VariableServer(core.Worker):
                                           num_bytes=latest.num_bytes,
                                           publish_time=latest.publish_time)
 
-    def _fetch_weights(self, raw: bytes,
-                       context: grpc.ServicerContext) -> Iterator[variables_pb2.WeightsChunk]:
+    def _fetch_weights(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Yields serialized WeightsChunk messages, each framed around a slice of the payload
+        (wire.encode_chunk: one copy, into the bytes gRPC sends)."""
         request = _parse(variables_pb2.FetchRequest, raw, "FetchRequest")
         if request.chunk_bytes < 0:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -541,15 +653,13 @@ class VariableServer(core.Worker):
         payload = record.payload
         total = payload.nbytes
         offset = 0
+        first = variables_pb2.WeightsChunk(version=record.version, total_bytes=total,
+                                           sha256=record.sha256, format=record.format,
+                                           crc32=record.crc32).SerializeToString()
+        head = variables_pb2.WeightsChunk(version=record.version).SerializeToString()
         while True:
             end = min(offset + chunk_bytes, total)
-            msg = variables_pb2.WeightsChunk(version=record.version,
-                                             data=payload[offset:end].tobytes())
-            if offset == 0:
-                msg.total_bytes = total
-                msg.sha256 = record.sha256
-                msg.format = record.format
-            yield msg
+            yield wire.encode_chunk(first if offset == 0 else head, (payload[offset:end],))
             offset = end
             if offset >= total:
                 break
