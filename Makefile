@@ -18,8 +18,8 @@ $(STAMP): setup.py protos/*.proto Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=23" "setuptools>=68,<80" wheel
 	$(PY) -m pip install -q "torch==2.13.0" "dm-reverb[tensorflow]==0.14.0" "grpcio-tools==1.62.3" \
-	    "triton==3.7.1" "pytest>=7" "pytest-timeout>=2" "matplotlib>=3.7" "ray>=2.9"
-	$(PY) -m pip install -q --no-build-isolation -e ".[triton,test,plots,ray]"
+	    "triton==3.7.1" "pytest>=7" "pytest-timeout>=2" "matplotlib>=3.7" "ray>=2.9" "isal>=1.6"
+	$(PY) -m pip install -q --no-build-isolation -e ".[triton,test,plots,ray,fast]"
 	$(PY) -m pip check
 	touch $(STAMP)
 
@@ -50,6 +50,29 @@ $(VLLM_STAMP):
 	    "import vllm, vllm_server.weight_transfer; print('vllm', vllm.__version__, 'in $(VLLM_VENV)')"
 	touch $(VLLM_STAMP)
 
+# The TRL environment (issue 8, benchmark 1: programs/benchmarks/vs_trl.py runs TRL's GRPOTrainer
+# from here): the peer gets its own venv so its transformers/accelerate/datasets never meet the
+# main venv's pins. torch==2.13.0 first (the local CPU build; an unpinned torch is a multi-GB CUDA
+# download), then trl with torch pinned again.
+TRL_VENV  ?= .venv-trl
+TRL_PY    := $(TRL_VENV)/bin/python
+TRL_STAMP := $(TRL_VENV)/.installed
+TRL_SPEC  ?= trl>=1.13,<2
+.PHONY: trl-env
+
+trl-env: $(TRL_STAMP)
+
+$(TRL_STAMP):
+	test -x $(TRL_PY) || $(PYTHON) -m venv $(TRL_VENV)
+	@echo "building $(TRL_VENV) ($(TRL_SPEC)); pip output in $(TRL_VENV)/install.log"
+	( $(TRL_PY) -m pip install --upgrade "pip>=23" && \
+	  $(TRL_PY) -m pip install "torch==2.13.0" && \
+	  $(TRL_PY) -m pip install "torch==2.13.0" "$(TRL_SPEC)" && \
+	  $(TRL_PY) -m pip check ) > $(TRL_VENV)/install.log 2>&1 || { tail -40 $(TRL_VENV)/install.log; exit 1; }
+	$(TRL_PY) -c "import torch, transformers, trl; from trl import GRPOConfig, GRPOTrainer; \
+	    print('trl', trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__, 'in $(TRL_VENV)')"
+	touch $(TRL_STAMP)
+
 $(WARM_START)/config.json: | $(STAMP)
 	$(PY) programs/sft.py --task=arithmetic --out_dir=$(WARM_START)
 
@@ -71,18 +94,14 @@ run-calculator-tool: venv warm-start-calculator-tool
 run: venv warm-start
 	$(PY) programs/sao.py --task=arithmetic --init_checkpoint=$(WARM_START) --run_dir=$(RUN_DIR)
 
-# Issue 7 (faults) is in progress: its two kill -9 soak tests still fail (a rollout lost when an
-# actor is killed mid-insert; an actor restart on Ray not seen in time), so `make test` leaves them
-# out and `make test-faults` runs them.
-IN_PROGRESS_TESTS := \
-	tests/test_faults.py::test_sao_run_survives_kill_9_of_an_actor_and_of_the_learner \
-	tests/test_ray.py::test_sao_run_on_ray_survives_kill_9_of_an_actor
+# Everything the tests need, built on first use: the main venv, the warm start, the vLLM venv
+# (tests/test_vllm_engine.py runs a real CPU vLLM server) and the TRL venv (tests/test_bench_trl.py).
+test: venv warm-start vllm-env trl-env
+	$(PY) -m pytest -q --timeout=600 tests
 
-test: venv warm-start
-	$(PY) -m pytest -q --timeout=600 tests $(addprefix --deselect ,$(IN_PROGRESS_TESTS))
-
+# The fault-tolerance tests alone (kill -9 of actors and the learner, Ray, replay restarts).
 test-faults: venv warm-start
-	$(PY) -m pytest -q --timeout=600 $(IN_PROGRESS_TESTS)
+	$(PY) -m pytest -q --timeout=600 tests/test_faults.py tests/test_ray.py tests/test_security.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info sao_actor_learner/protos_gen runs

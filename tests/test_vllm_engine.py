@@ -4,7 +4,8 @@ One server is started per module (the `served` fixture); tests share it and load
 need first (an update takes ~0.05 s). The model's LM head is scaled up with the <eos> row zeroed,
 so <eos> is rarely sampled and long in-flight generations mostly run to their length limit.
 
-Run by `make test` when `.venv-vllm` exists (`make vllm-env` builds it); skipped otherwise.
+Run by `make test`, which builds `.venv-vllm` first (`make vllm-env`); skipped only when it is missing
+(a bare `pytest` without it).
 """
 import http.client
 import json

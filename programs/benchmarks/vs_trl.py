@@ -1,0 +1,463 @@
+r"""Benchmark 1: this project (SAO) against a peer, TRL's GRPOTrainer, on the same task.
+
+  make trl-env
+  OMP_NUM_THREADS=1 .venv/bin/python programs/benchmarks/vs_trl.py --threshold=0.9 --repeats=3
+
+Both sides start from the same warm-start checkpoint (checkpoints/warm_start, greedy held-out
+accuracy 0.355), train on the arithmetic task's training prompts, and are scored on the same 200
+held-out prompts with the same greedy evaluation (max_new_tokens tokens, ArithmeticTask.is_correct)
+every --eval_every steps and at step 0. Each runs in its own process with OMP_NUM_THREADS=1:
+
+  sao        programs/sao.py (run_program(make_program(config))) from this venv: the default
+             program of `make run` (local_mp launcher, 2 actors, learner, evaluator, replay,
+             variable server: 6 processes), --batch_size rollouts a step, one per prompt.
+  trl        programs/benchmarks/trl_grpo_arithmetic.py with .venv-trl/bin/python: GRPOTrainer
+             (TRL's default, on-policy: one generation batch per optimizer step) with the same
+             number of rollouts a step, as prompts x G (GRPO refuses G=1): 32 = 16 x 2 or 8 x 4...
+  trl_same_prompts  (--trl_same_prompts_variant) TRL with as many prompts a step as SAO (32), so
+             32 x G rollouts a step: more samples per step for TRL.
+
+Fairness: same sampling (temperature 1, top_p 1, max_new_tokens 8), fp32, grad-norm clip 1.0,
+constant learning rates. SAO keeps the project's defaults (policy_lr 5e-5, the critic and DIS
+loss of `make run`). TRL gets its learning rate and G tuned first: every (G, lr) of
+--trl_group_sizes x --trl_lrs runs once (seed --tune_seed, --tune_budget_s of training); the one
+that reaches the threshold soonest (training clock) is measured. A grid of one is not tuned.
+
+Clocks (evaluation excluded on both sides):
+  time to threshold  from the start of training to the moment the first policy that scored
+             >= --threshold existed. TRL: trainer.train() start to the end of that step, with the
+             clock paused while evaluating (inline, in a callback). SAO: the learner's start (it
+             publishes version 0, actors start) to the learner publishing that version; SAO's
+             evaluator is its own process, so it adds no time but its CPU use, which competes
+             for the same cores, stays in SAO's clock. SAO's evaluator evaluates the newest
+             version when due, so under load it may skip to a later version than TRL would.
+  incl. start-up  the same moment measured from the subprocess launch (imports, model loading,
+             SAO's process launch, Reverb and gRPC start-up included).
+  rollouts/s, tokens/s  rollouts trained and their generated (completion) tokens, <eos>
+             included, per second of training clock over each side's whole run.
+  cpu_s      CPU seconds of the side's whole process tree (RUSAGE_CHILDREN).
+
+The sides run interleaved (sao, trl, trl_same_prompts, sao, ...) --repeats times; medians and
+[min, max] are reported. SAO varies by its asynchrony (its task seed must stay the warm start's,
+0); TRL's training seed is the repeat index. TRL stops at the threshold or after
+--trl_time_budget_s of training ("not reached within X s"); SAO runs --sao_max_steps steps.
+The target: SAO's median time to threshold <= 1/3 of TRL's. Ends with one JSON line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+from absl import app, flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRL_SCRIPT = os.path.join(REPO, "programs", "benchmarks", "trl_grpo_arithmetic.py")
+SAO_SCRIPT = os.path.join(REPO, "programs", "sao.py")
+
+FLAGS = flags.FLAGS
+flags.DEFINE_float("threshold", 0.9, "Held-out greedy accuracy to reach.")
+flags.DEFINE_list("also_thresholds", ["0.8"], "Lower thresholds also timed, from the same "
+                  "evaluation curves (TRL stops at --threshold, so they must be below it).")
+flags.DEFINE_integer("eval_every", 5, "Both sides evaluate every this many steps (and at 0).")
+flags.DEFINE_integer("eval_size", 200, "Held-out prompts.")
+flags.DEFINE_integer("rollouts_per_step", 32, "Rollouts per optimizer step, both sides.")
+flags.DEFINE_integer("repeats", 3, "Interleaved repeats of each side.")
+flags.DEFINE_string("init_checkpoint", "checkpoints/warm_start", "The shared warm start.")
+flags.DEFINE_integer("task_seed", 0, "The task's split seed (the warm start's; SAO's --seed).")
+flags.DEFINE_string("run_root", "runs/bench_vs_trl", "Run folders of both sides go under here.")
+# SAO
+flags.DEFINE_integer("sao_max_steps", 60, "SAO learner steps per run.")
+flags.DEFINE_integer("sao_num_actors", 2, "SAO actors.")
+flags.DEFINE_string("sao_launch", "local_mp", "SAO launcher.")
+flags.DEFINE_float("sao_policy_lr", 5e-5, "SAO policy learning rate (the project default).")
+flags.DEFINE_list("sao_extra_flags", [], "More programs/sao.py flags, e.g. --sao_extra_flags="
+                  "--critic_updates=1.")
+# TRL
+flags.DEFINE_string("trl_python", ".venv-trl/bin/python", "The TRL environment's python.")
+flags.DEFINE_list("trl_group_sizes", ["2", "4", "8"], "GRPO group sizes G to tune over.")
+flags.DEFINE_list("trl_lrs", ["3e-5", "5e-5", "1e-4"], "TRL learning rates to tune over (2e-4 "
+                  "and 1e-3 diverged in every trial).")
+flags.DEFINE_float("tune_budget_s", 15.0, "Training seconds of each TRL tuning run.")
+flags.DEFINE_integer("tune_seed", 100, "TRL training seed of the tuning runs.")
+flags.DEFINE_float("trl_time_budget_s", 60.0, "Training seconds (evaluation excluded) after "
+                   "which a TRL run stops: 'not reached within X s'.")
+flags.DEFINE_integer("trl_max_steps", 2000, "Step cap of a TRL run.")
+flags.DEFINE_bool("trl_same_prompts_variant", True, "Also run TRL with SAO's prompts per step "
+                  "(rollouts_per_step prompts x G).")
+flags.DEFINE_float("subprocess_timeout_s", 900.0, "A side's process running longer is an error.")
+flags.DEFINE_float("stall_timeout_s", 180.0, "An SAO run whose metrics.jsonl does not grow for "
+                   "this long (start-up included) is killed as stalled.")
+
+
+def _side_env() -> Dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_side(cmd: List[str], log_path: str, progress_file: Optional[str] = None) -> Dict:
+    """Runs one side's process (its own session, so a stuck run is killed whole); returns its
+    stdout, launch time, wall and CPU seconds. With `progress_file`, a run whose file has not
+    grown for --stall_timeout_s is killed and reported as stalled."""
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t_launch = time.time()
+    stalled = False
+    with open(log_path, "w") as log, open(log_path + ".stdout", "w+") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_side_env(), stdout=out, stderr=log,
+                                text=True, start_new_session=True)
+        last_size, last_change = -1, time.time()
+        try:
+            while proc.poll() is None:
+                time.sleep(0.5)
+                now = time.time()
+                if progress_file is not None:
+                    size = os.path.getsize(progress_file) if os.path.exists(progress_file) else 0
+                    if size != last_size:
+                        last_size, last_change = size, now
+                    stalled = now - last_change > FLAGS.stall_timeout_s
+                if stalled or now - t_launch > FLAGS.subprocess_timeout_s:
+                    break
+        finally:   # stalled, too slow, or this process interrupted: the side's whole tree goes
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        out.seek(0)
+        stdout = out.read()
+    wall = time.time() - t_launch
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        why = (f"made no progress ({progress_file} unchanged) for {FLAGS.stall_timeout_s:g}s"
+               if stalled else f"exited {proc.returncode} after {wall:.0f}s")
+        raise RuntimeError(f"{' '.join(cmd[:2])} {why}; log {log_path}:\n{tail}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"stdout": stdout, "t_launch": t_launch, "wall_s": wall, "cpu_s": cpu}
+
+
+def _read_jsonl(path: str) -> List[Dict]:
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def _first_reached(curve: List[Dict], threshold: float) -> Optional[Dict]:
+    for point in curve:
+        if point["accuracy"] >= threshold:
+            return point
+    return None
+
+
+def run_sao(name: str) -> Dict:
+    """One SAO run (programs/sao.py); its figures from metrics.jsonl and summary.json."""
+    run_dir = os.path.join(FLAGS.run_root, name)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, SAO_SCRIPT, "--task=arithmetic",
+           f"--init_checkpoint={FLAGS.init_checkpoint}",
+           f"--run_dir={run_dir}", f"--max_steps={FLAGS.sao_max_steps}",
+           f"--batch_size={FLAGS.rollouts_per_step}", f"--eval_every={FLAGS.eval_every}",
+           f"--eval_size={FLAGS.eval_size}", f"--seed={FLAGS.task_seed}",
+           f"--num_actors={FLAGS.sao_num_actors}", f"--launch={FLAGS.sao_launch}",
+           f"--policy_lr={FLAGS.sao_policy_lr}", "--threads_per_process=1", "--progress=false",
+           *FLAGS.sao_extra_flags]
+    proc = run_side(cmd, os.path.join(FLAGS.run_root, "logs", f"{name}.log"),
+                    progress_file=os.path.join(run_dir, "metrics.jsonl"))
+    rows = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    train = sorted((r for r in rows if r.get("kind") == "train"), key=lambda r: r["step"])
+    evals = sorted((r for r in rows if r.get("kind") == "eval"), key=lambda r: r["policy_version"])
+    if not train or not evals:
+        raise RuntimeError(f"SAO run {run_dir}: no train or eval rows in metrics.jsonl")
+    learner_start = train[0]["time"] - train[0]["wall_time_s"]
+    published = {0: learner_start, **{r["step"]: r["time"] for r in train}}
+    curve = []
+    for e in evals:
+        v = e["policy_version"]
+        t = published.get(v, e["time"])
+        curve.append({"step": v, "accuracy": e["eval_accuracy"],
+                      "train_clock_s": round(t - learner_start, 3),
+                      "since_launch_s": round(t - proc["t_launch"], 3),
+                      "eval_done_s": round(e["time"] - learner_start, 3),
+                      "rollouts": v * FLAGS.rollouts_per_step})
+    train_s = train[-1]["time"] - learner_start
+    tokens = sum(r["response_length_mean"] * r["batch_size"] for r in train)
+    rollouts = train[-1]["rollouts_trained"]
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    return _side_result("sao", name, curve, steps=train[-1]["step"], train_s=train_s,
+                        rollouts=rollouts, tokens=tokens, proc=proc,
+                        startup_s=learner_start - proc["t_launch"],
+                        extra={"rollouts_generated": summary.get("rollouts_generated"),
+                               "learner_step_s_median": round(statistics.median(
+                                   r["step_time_s"] for r in train), 4),
+                               "learner_wait_frac_median": round(statistics.median(
+                                   r["learner_wait_frac"] for r in train), 3),
+                               "staleness_mean": summary.get("staleness_mean"),
+                               "policy_lr": FLAGS.sao_policy_lr,
+                               "prompts_per_step": FLAGS.rollouts_per_step,
+                               "rollouts_per_step": FLAGS.rollouts_per_step})
+
+
+def run_trl(name: str, group_size: int, lr: float, seed: int, budget_s: float,
+            prompts_per_step: Optional[int] = None) -> Dict:
+    """One TRL GRPOTrainer run (trl_grpo_arithmetic.py in the TRL venv)."""
+    rollouts_per_step = (prompts_per_step * group_size if prompts_per_step
+                         else FLAGS.rollouts_per_step)
+    cmd = [FLAGS.trl_python, TRL_SCRIPT, f"--init_checkpoint={FLAGS.init_checkpoint}",
+           f"--task_seed={FLAGS.task_seed}", f"--seed={seed}", f"--eval_size={FLAGS.eval_size}",
+           f"--rollouts_per_step={rollouts_per_step}", f"--num_generations={group_size}",
+           f"--learning_rate={lr}", f"--max_steps={FLAGS.trl_max_steps}",
+           f"--eval_every={FLAGS.eval_every}", f"--threshold={FLAGS.threshold}",
+           f"--time_budget_s={budget_s}", "--stop_at_threshold",
+           f"--output_dir={os.path.join(FLAGS.run_root, name)}"]
+    proc = run_side(cmd, os.path.join(FLAGS.run_root, "logs", f"{name}.log"))
+    lines = proc["stdout"].strip().splitlines()
+    out = json.loads(lines[-1]) if lines else None
+    if not out or out.get("side") != "trl_grpo":
+        raise RuntimeError(f"{name}: no result line from {TRL_SCRIPT}; see "
+                           f"{FLAGS.run_root}/logs/{name}.log")
+    curve = [{"step": c["step"], "accuracy": c["accuracy"], "train_clock_s": c["train_clock_s"],
+              "since_launch_s": round(c["time"] - proc["t_launch"], 3),
+              "rollouts": c["rollouts"]} for c in out["eval_curve"]]
+    return _side_result("trl", name, curve, steps=out["steps"], train_s=out["train_clock_s"],
+                        rollouts=out["rollouts"], tokens=out["completion_tokens"], proc=proc,
+                        startup_s=out["train_begin_time"] - proc["t_launch"],
+                        extra={"group_size": group_size, "learning_rate": lr, "seed": seed,
+                               "prompts_per_step": rollouts_per_step // group_size,
+                               "rollouts_per_step": rollouts_per_step,
+                               "time_budget_s": budget_s, "stopped_by": out["stopped_by"],
+                               "step_s_mean": round(out["train_clock_s"] / max(out["steps"], 1), 4),
+                               "trl_version": out["versions"]["trl"]})
+
+
+def _side_result(side, name, curve, steps, train_s, rollouts, tokens, proc, startup_s, extra):
+    hit = _first_reached(curve, FLAGS.threshold)
+    also = {}
+    for t in FLAGS.also_thresholds:
+        h = _first_reached(curve, float(t))
+        also[f"time_to_{float(t):g}_s"] = h["train_clock_s"] if h else None
+        also[f"time_to_{float(t):g}_incl_startup_s"] = h["since_launch_s"] if h else None
+        also[f"steps_to_{float(t):g}"] = h["step"] if h else None
+    return {
+        "side": side, "name": name, "reached": hit is not None,
+        "time_to_threshold_s": hit["train_clock_s"] if hit else None,
+        "time_to_threshold_incl_startup_s": hit["since_launch_s"] if hit else None,
+        "steps_to_threshold": hit["step"] if hit else None,
+        "rollouts_to_threshold": hit["rollouts"] if hit else None,
+        "initial_accuracy": curve[0]["accuracy"], "final_accuracy": curve[-1]["accuracy"],
+        "best_accuracy": max(c["accuracy"] for c in curve),
+        "steps": steps, "train_s": round(train_s, 3), "rollouts": rollouts,
+        "step_s": round(train_s / max(steps, 1), 4),
+        "completion_tokens": int(tokens),
+        "rollouts_per_s": rollouts / max(train_s, 1e-9),
+        "tokens_per_s": tokens / max(train_s, 1e-9),
+        "startup_s": round(startup_s, 3), "total_wall_s": round(proc["wall_s"], 3),
+        "cpu_s": round(proc["cpu_s"], 2), **also, "eval_curve": curve, **extra,
+    }
+
+
+def tune_trl() -> Dict:
+    """Each (G, lr) once on a short budget; the soonest to the threshold (training clock) wins,
+    then the best accuracy reached. A single candidate is returned untried."""
+    candidates = [(int(g), float(lr)) for g in FLAGS.trl_group_sizes for lr in FLAGS.trl_lrs]
+    for g, _ in candidates:
+        if g < 2 or FLAGS.rollouts_per_step % g:
+            raise app.UsageError(f"--trl_group_sizes has {g}: each G must be >= 2 (GRPO) and "
+                                 f"divide --rollouts_per_step={FLAGS.rollouts_per_step}")
+    if len(candidates) == 1:
+        return {"group_size": candidates[0][0], "learning_rate": candidates[0][1], "runs": []}
+    runs = []
+    for g, lr in candidates:
+        r = run_trl(f"tune_trl_G{g}_lr{lr:g}", g, lr, FLAGS.tune_seed, FLAGS.tune_budget_s)
+        runs.append(r)
+        print(f"tune trl G={g} lr={lr:g}: "
+              + (f"reached {FLAGS.threshold} at step {r['steps_to_threshold']} in "
+                 f"{r['time_to_threshold_s']:.2f}s" if r["reached"] else
+                 f"not reached in {r['train_s']:.1f}s (best {r['best_accuracy']:.3f})"), flush=True)
+
+    def key(r):
+        return (0, r["time_to_threshold_s"], 0) if r["reached"] else (1, 0, -r["best_accuracy"])
+
+    best = min(runs, key=key)
+    return {"group_size": best["group_size"], "learning_rate": best["learning_rate"],
+            "runs": [{k: r[k] for k in ("group_size", "learning_rate", "reached",
+                                        "time_to_threshold_s", "steps_to_threshold",
+                                        "best_accuracy", "final_accuracy", "steps", "train_s")}
+                     for r in runs]}
+
+
+def _stats(values: List[Optional[float]]) -> Dict:
+    """median, min, max of values, None counting as 'not reached' (+inf)."""
+    vals = [float("inf") if v is None else float(v) for v in values]
+    if not vals:
+        return {"median": None, "min": None, "max": None}
+    med = statistics.median(vals)
+
+    def clean(x):
+        return None if x == float("inf") else round(x, 4)
+
+    return {"median": clean(med), "min": clean(min(vals)), "max": clean(max(vals))}
+
+
+def _also_keys() -> List[str]:
+    return [f"{k}_{float(t):g}{s}" for t in FLAGS.also_thresholds
+            for k, s in (("time_to", "_s"), ("time_to", "_incl_startup_s"), ("steps_to", ""))]
+
+
+def aggregate(runs: List[Dict]) -> Dict:
+    out = {"repeats": len(runs), "reached": sum(r["reached"] for r in runs)}
+    for key in ("time_to_threshold_s", "time_to_threshold_incl_startup_s", "steps_to_threshold",
+                "rollouts_to_threshold", "rollouts_per_s", "tokens_per_s", "startup_s",
+                "final_accuracy", "best_accuracy", "initial_accuracy", "cpu_s", "train_s",
+                "steps", "step_s", *_also_keys()):
+        out[key] = _stats([r[key] for r in runs])
+    return out
+
+
+def _ratio(ours: Optional[float], theirs: Optional[float], theirs_bound: float) -> Dict:
+    """ours / theirs; when theirs never reached the threshold, an upper bound from its budget."""
+    if ours is None:
+        return {"value": None, "bound": None}
+    if theirs is None:
+        return {"value": None, "bound": f"< {ours / theirs_bound:.3f}"}
+    return {"value": round(ours / theirs, 4), "bound": None}
+
+
+def _fmt(stats: Dict, digits: int = 2, budget: Optional[float] = None) -> str:
+    if stats["median"] is None:
+        return f"not reached within {budget:g}s" if budget else "not reached"
+    spread = ""
+    if stats["max"] is None or stats["min"] != stats["max"]:
+        hi = "inf" if stats["max"] is None else f"{stats['max']:.{digits}f}"
+        spread = f" [{stats['min']:.{digits}f}, {hi}]"
+    return f"{stats['median']:.{digits}f}{spread}"
+
+
+def main(argv):
+    del argv
+    if not os.path.isabs(FLAGS.trl_python):
+        FLAGS.trl_python = os.path.join(REPO, FLAGS.trl_python)
+    if not os.path.exists(FLAGS.trl_python):
+        sys.exit(f"--trl_python={FLAGS.trl_python} does not exist: build the TRL environment "
+                 "with `make trl-env`")
+    if not os.path.exists(os.path.join(REPO, FLAGS.init_checkpoint, "config.json")):
+        sys.exit(f"--init_checkpoint={FLAGS.init_checkpoint} holds no checkpoint: "
+                 "`make warm-start`")
+    if any(float(t) >= FLAGS.threshold for t in FLAGS.also_thresholds):
+        raise app.UsageError(f"--also_thresholds={FLAGS.also_thresholds}: each must be below "
+                             f"--threshold={FLAGS.threshold} (TRL stops at --threshold)")
+    if FLAGS.repeats < 1:
+        raise app.UsageError(f"--repeats={FLAGS.repeats}: must be >= 1")
+    FLAGS.run_root = os.path.abspath(os.path.join(REPO, FLAGS.run_root))
+    t0 = time.time()
+    load_start = os.getloadavg()
+
+    tuned = tune_trl()
+    g, lr = tuned["group_size"], tuned["learning_rate"]
+    print(f"TRL: G={g}, lr={lr:g} ({FLAGS.rollouts_per_step // g} prompts x {g} a step)",
+          flush=True)
+
+    sides: Dict[str, List[Dict]] = {"sao": [], "trl": []}
+    if FLAGS.trl_same_prompts_variant:
+        sides["trl_same_prompts"] = []
+    for i in range(FLAGS.repeats):   # interleaved: sao, trl, trl_same_prompts, sao, ...
+        sides["sao"].append(run_sao(f"sao_{i}"))
+        sides["trl"].append(run_trl(f"trl_{i}", g, lr, i, FLAGS.trl_time_budget_s))
+        if FLAGS.trl_same_prompts_variant:
+            sides["trl_same_prompts"].append(run_trl(
+                f"trl_same_prompts_{i}", g, lr, i, FLAGS.trl_time_budget_s,
+                prompts_per_step=FLAGS.rollouts_per_step))
+        for side, runs in sides.items():
+            r = runs[-1]
+            print(f"repeat {i} {side}: " + (f"{FLAGS.threshold} at step {r['steps_to_threshold']}"
+                  f" after {r['time_to_threshold_s']:.2f}s training / "
+                  f"{r['time_to_threshold_incl_startup_s']:.1f}s incl. start-up"
+                  if r["reached"] else f"not reached (best {r['best_accuracy']:.3f})")
+                  + f"; {r['rollouts_per_s']:.0f} rollouts/s", flush=True)
+
+    agg = {side: aggregate(runs) for side, runs in sides.items()}
+    budget = FLAGS.trl_time_budget_s
+    ratios = {}
+    for other in [s for s in sides if s != "sao"]:
+        ratios[other] = {
+            "time_to_threshold": _ratio(agg["sao"]["time_to_threshold_s"]["median"],
+                                        agg[other]["time_to_threshold_s"]["median"], budget),
+            "time_to_threshold_incl_startup": _ratio(
+                agg["sao"]["time_to_threshold_incl_startup_s"]["median"],
+                agg[other]["time_to_threshold_incl_startup_s"]["median"], budget),
+            **{f"time_to_{float(t):g}": _ratio(agg["sao"][f"time_to_{float(t):g}_s"]["median"],
+                                               agg[other][f"time_to_{float(t):g}_s"]["median"],
+                                               budget) for t in FLAGS.also_thresholds},
+        }
+    main_ratio = ratios["trl"]["time_to_threshold"]
+    if main_ratio["value"] is not None:
+        target_met = main_ratio["value"] <= 1 / 3
+    else:   # TRL never reached it: met when SAO did within a third of TRL's budget
+        target_met = agg["sao"]["time_to_threshold_s"]["median"] is not None and \
+            agg["sao"]["time_to_threshold_s"]["median"] <= budget / 3
+
+    rows = [("time to threshold (s, training)", "time_to_threshold_s", 2, budget),
+            ("time to threshold (s, incl. start-up)", "time_to_threshold_incl_startup_s", 1, None),
+            ("steps to threshold", "steps_to_threshold", 0, None),
+            ("rollouts to threshold", "rollouts_to_threshold", 0, None),
+            *[row for t in FLAGS.also_thresholds for row in (
+                (f"time to {float(t):g} (s, training)", f"time_to_{float(t):g}_s", 2, budget),
+                (f"time to {float(t):g} (s, incl. start-up)",
+                 f"time_to_{float(t):g}_incl_startup_s", 1, None),
+                (f"steps to {float(t):g}", f"steps_to_{float(t):g}", 0, None))],
+            ("rollouts/s (training)", "rollouts_per_s", 0, None),
+            ("tokens/s (generated, training)", "tokens_per_s", 0, None),
+            ("seconds per step (training)", "step_s", 3, None),
+            ("start-up (s)", "startup_s", 1, None),
+            ("initial accuracy", "initial_accuracy", 3, None),
+            ("final accuracy", "final_accuracy", 3, None),
+            ("steps run", "steps", 0, None),
+            ("CPU seconds (process tree)", "cpu_s", 1, None)]
+    names = {"sao": "SAO (ours)", "trl": f"TRL GRPO {FLAGS.rollouts_per_step // g}x{g}",
+             "trl_same_prompts": f"TRL GRPO {FLAGS.rollouts_per_step}x{g}"}
+    width = 40
+    print(f"\nthreshold {FLAGS.threshold} held-out greedy accuracy; median [min, max] of "
+          f"{FLAGS.repeats} interleaved repeats; load average {load_start[0]:.2f} at start, "
+          f"{os.getloadavg()[0]:.2f} at end")
+    print(f"{'':{width}}" + "".join(f"{names[s]:>30}" for s in sides))
+    for label, key, digits, bud in rows:
+        print(f"{label:{width}}" + "".join(
+            f"{_fmt(agg[s][key], digits, bud if s != 'sao' else None):>30}" for s in sides))
+    for other, r in ratios.items():
+        print(f"SAO / {names[other]}: " + "; ".join(
+            f"{k.replace('_', ' ')} {v['value'] if v['value'] is not None else v['bound']}"
+            for k, v in r.items()))
+    print(f"target (SAO <= 1/3 of TRL's time to threshold): "
+          f"{'met' if target_met else 'NOT met'}; TRL tuned to G={g}, lr={lr:g}")
+
+    result = {
+        "benchmark": "vs_trl", "threshold": FLAGS.threshold, "eval_every": FLAGS.eval_every,
+        "eval_size": FLAGS.eval_size, "rollouts_per_step": FLAGS.rollouts_per_step,
+        "repeats": FLAGS.repeats, "trl_time_budget_s": budget,
+        "trl_tuned": {"group_size": g, "learning_rate": lr, "runs": tuned["runs"]},
+        "sao_policy_lr": FLAGS.sao_policy_lr,
+        "summary": agg, "ratio_sao_over_trl": ratios, "target_ratio": 1 / 3,
+        "target_met": target_met,
+        "runs": {side: [{k: v for k, v in r.items() if k != "eval_curve"} | {
+            "eval_curve": [(c["step"], c["accuracy"], c["train_clock_s"]) for c in r["eval_curve"]]}
+            for r in runs] for side, runs in sides.items()},
+        "load_avg_start": list(load_start), "load_avg_end": list(os.getloadavg()),
+        "wall_s": round(time.time() - t0, 1),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    app.run(main)
