@@ -327,3 +327,22 @@ def test_local_mp_children_exit_when_the_launcher_dies(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_the_launcher_imports_neither_torch_nor_tensorflow(tmp_path):
+    """Validating a config and building the SAO program (what the launcher process does before
+    it spawns nodes) loads no torch or TensorFlow: ~200 MB and ~400 MB it would keep for the
+    whole run (programs/benchmarks/memory.py)."""
+    code = f"""
+import sys
+from sao_actor_learner.builder import make_program
+from sao_actor_learner.config import SAOConfig
+from sao_actor_learner.run import run_program
+config = SAOConfig(run_dir={str(tmp_path)!r}, task="calculator_tool")
+program = make_program(config, {str(tmp_path)!r})
+print(sorted(m for m in ("torch", "tensorflow", "reverb", "transformers") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)) or ".")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -38,7 +38,7 @@ class MetricsLogger:
         self._tb = None
         if tensorboard_subdir:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from sao_actor_learner.observers.tensorboard import SummaryWriter
                 self._tb = SummaryWriter(os.path.join(run_dir, "tb", tensorboard_subdir))
             except Exception as e:  # noqa: BLE001 - TensorBoard is optional
                 logging.warning("TensorBoard disabled: %s", e)
@@ -87,3 +87,4 @@ def write_json_atomic(path: str, obj) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
     os.replace(tmp, path)
+
