@@ -97,6 +97,9 @@ class Task(abc.ABC):
     """A verifiable task: prompts for training and evaluation, and an environment per episode."""
 
     name: str = "task"
+    # Token ids that end a turn of a multi-turn episode besides EOS (e.g. the "]" closing a tool
+    # call): the engine stops there and the environment answers. () for single-turn tasks.
+    turn_stop_token_ids: Tuple[int, ...] = ()
 
     @abc.abstractmethod
     def sample_prompt(self, rng) -> Prompt:

@@ -109,7 +109,7 @@ def run_episodes(engine: core.Engine, task: core.Task, prompts: Sequence[core.Pr
         raise ValueError(f"max_turns={max_turns}: must be >= 1")
     if env_threads < 1:
         raise ValueError(f"env_threads={env_threads}: must be >= 1 (1 steps inline)")
-    extra_stop = tuple(int(t) for t in getattr(task, "turn_stop_token_ids", ()))
+    extra_stop = tuple(int(t) for t in task.turn_stop_token_ids)
     stop = tuple(sorted(set(params.stop_token_ids) | set(extra_stop)))
     vocab_size = getattr(getattr(task, "tokenizer", None), "vocab_size", None)
     now = time.time()
