@@ -269,14 +269,32 @@ def test_actor_group_mode_repeats_each_prompt_g_times():
 
 
 def test_actor_inserts_delayed_rollouts_in_ready_order():
-    delays = np.array([0.06, 0.0, 0.03])
-    actor = Actor(0, CountingTask(), engine=None, variables=None, writer=None, decode=None,
-                  params=None, delay_sampler=lambda n: delays[:n])
+    """The delivery thread (issue 8) writes a batch's rollouts when their delays have passed,
+    soonest first; counters follow. tests/test_actor_pipeline.py runs it inside a whole actor."""
     import time
+    from types import SimpleNamespace
+
+    class RecordingWriter:
+        rejected, last_write_confirmed = {}, True
+
+        def __init__(self):
+            self.seen = []
+
+        def write(self, rollout, timeout_s):
+            self.seen.append((rollout.name, time.monotonic() - t0))
+            return True
+
+    delays = np.array([0.06, 0.0, 0.03])
+    writer = RecordingWriter()
+    actor = Actor(0, CountingTask(), engine=None, variables=None, writer=writer, decode=None,
+                  params=None, actor_batch=3, delay_sampler=lambda n: delays[:n])
     t0 = time.monotonic()
-    seen = [(x, time.monotonic() - t0) for x in actor._in_delivery_order(["a", "b", "c"])]
-    assert [x for x, _ in seen] == ["b", "c", "a"]
-    assert seen[-1][1] >= 0.06 and actor.counters["injected_delay_s"] == pytest.approx(0.09)
+    actor._deliver_later([SimpleNamespace(name=x, total_reward=1.0) for x in "abc"])
+    actor._close_delivery(drain=True)
+    assert [x for x, _ in writer.seen] == ["b", "c", "a"]
+    assert [t >= d for (_, t), d in zip(writer.seen, (0.0, 0.03, 0.06))] == [True] * 3
+    assert actor.counters["injected_delay_s"] == pytest.approx(0.09)
+    assert actor.counters["rollouts_inserted"] == 3 and actor.counters["reward_sum"] == 3.0
 
 
 def test_delay_distributions():

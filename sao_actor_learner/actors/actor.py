@@ -4,9 +4,16 @@ Loop: poll the variable server (background fetch); switch the engine to a newer 
 has arrived; ask for admission (SAO.md section 6: no rollout is started that would be too stale
 when consumed); generate one rollout per admitted prompt; write each to replay, waiting while
 the rate limiter holds the table full.
+
+With injected delays (actors/delays.py) a generated batch is handed to a delivery thread that
+inserts each rollout when its delay has passed, in ready order, while the main loop goes on to
+ask admission and generate the next batch (issue 8): an episode still "in the environment" no
+longer holds back the actor's next batch. At most `max_waiting` rollouts wait for delivery.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import os
 import threading
@@ -20,6 +27,9 @@ from sao_actor_learner import core
 from sao_actor_learner.actors.rollout import run_episodes
 from sao_actor_learner.observers.metrics import write_json_atomic
 
+# gRPC status codes (by name) of a variable-server call worth retrying: the server is away.
+_RETRYABLE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
 
 class Actor(core.Worker):
     """Generates rollouts with the newest policy it has and inserts them into replay.
@@ -29,7 +39,8 @@ class Actor(core.Worker):
       task: the Task prompts come from.
       engine: the Engine that samples.
       variables: a VariableClient (update(), version, params, admit()).
-      writer: a RolloutWriter (write(rollout, timeout_s) -> bool, rejected, inserted).
+      writer: a RolloutWriter (write(rollout, timeout_s) -> bool, rejected, inserted; a
+        generation goes through write_many when the writer has it and no delays are injected).
       decode: bytes -> state_dict, to load fetched weights into the engine.
       params: SamplingParams for training rollouts.
       actor_batch: prompts generated together.
@@ -48,6 +59,10 @@ class Actor(core.Worker):
       spool: an actors.spool.RolloutSpool (issue 7): each completed rollout is kept on disk
         until replay confirms it, and a restarted actor inserts what it finds there first;
         the counters continue from its ledger. None: no spool.
+      max_waiting: with a delay sampler, the most rollouts waiting for delivery (their delay)
+        at once; the actor generates no new batch while another would pass it. None: 4 actor
+        batches. A rollout waiting for delivery is admitted and spooled: at stop() it stays
+        pending in the spool, and a restarted actor inserts it.
     """
 
     def __init__(self, actor_id: int, task: core.Task, engine: core.Engine, variables, writer,
@@ -56,7 +71,7 @@ class Actor(core.Worker):
                  max_turns: int = 1, max_total_tokens: int = 1 << 30, env_threads: int = 1,
                  stats_path: Optional[str] = None, max_rollouts: Optional[int] = None,
                  group_size: int = 1, delay_sampler=None, forced_staleness: int = -1,
-                 spool=None):
+                 spool=None, max_waiting: Optional[int] = None):
         self.actor_id = actor_id
         self._task = task
         self._engine = engine
@@ -86,10 +101,28 @@ class Actor(core.Worker):
                                            "reward_sum": 0.0, "injected_delay_s": 0.0}
         self._spool = spool                 # issue 7: completed rollouts survive a crash
         self._spool_seqs: Dict[int, int] = {}   # id(rollout) -> its spool sequence number
+        self._spool_unconfirmed: Dict[int, int] = {}   # writer ticket -> spool seq, until it lands
+        self._admit_failures = 0       # consecutive admission calls that found no server
         self._spool_reasons_seen: Dict[str, int] = {}
         # Admission slots to return with the next Admit (rejected rollouts; at a restart also
         # those lost in the crashed incarnation's generation, from the spool's ledger).
         self._release_owed = spool.owed_releases() if spool is not None else 0
+        # Delayed delivery (issue 8): rollouts waiting out their injected delay, inserted by a
+        # background thread. `_book_lock` guards what it shares with the main loop (counters,
+        # spool bookkeeping, _release_owed); `_delivery_cv` guards the heap and `_waiting`.
+        # While the thread runs it alone calls the writer (and its take_landed).
+        self._max_waiting = 4 * actor_batch if max_waiting is None else int(max_waiting)
+        if self._max_waiting < actor_batch:
+            raise ValueError(f"max_waiting={max_waiting}: must be >= actor_batch ({actor_batch})"
+                             ", else no batch could ever be handed to delivery")
+        self._book_lock = threading.RLock()
+        self._delivery_cv = threading.Condition()
+        self._delivery_heap: list = []     # (ready_time, seq, delay, rollout)
+        self._delivery_seq = itertools.count()
+        self._waiting = 0                  # handed to delivery, not yet written (or refused)
+        self._delivery_thread: Optional[threading.Thread] = None
+        self._delivery_closing = False
+        self._delivery_error: Optional[BaseException] = None
         if spool is not None:
             self.counters["rollouts_generated"] = spool.completed
             self.counters["rollouts_inserted"] = spool.inserted
@@ -100,6 +133,8 @@ class Actor(core.Worker):
 
     def stop(self) -> None:
         self._stop.set()
+        with self._delivery_cv:
+            self._delivery_cv.notify_all()
 
     def _maybe_update_weights(self, wait: bool = False) -> None:
         if wait:
@@ -124,12 +159,27 @@ class Actor(core.Worker):
             return self._actor_batch
         # Issue 7: slots of admitted rollouts that will never arrive (refused by the writer, lost
         # with a crashed incarnation) go back with the request, else admission shrinks for good.
-        owed = self._release_owed
+        with self._book_lock:
+            owed = self._release_owed
         if self._spool is not None:
             self._spool.asking(self._actor_batch)
-        decision = self._variables.admit_details(str(self.actor_id), self._actor_batch,
-                                                 released=owed)
-        self._release_owed -= owed
+        try:
+            decision = self._variables.admit_details(str(self.actor_id), self._actor_batch,
+                                                     released=owed)
+        except RuntimeError as e:   # variables.client.VariableClientError carries a gRPC code
+            if getattr(getattr(e, "code", None), "name", None) not in _RETRYABLE_CODES:
+                raise
+            # The variable server went away mid-call (killed, restarting): ask again after a
+            # backoff. The unanswered "ask" counts as granted (returning a slot too many only
+            # loosens admission; the learner's staleness filter still holds the bound).
+            self._admit_failures += 1
+            logging.log_every_n(logging.WARNING, "actor %d: admission request failed (%s); "
+                                "retrying", 10, self.actor_id, e)
+            self._stop.wait(min(0.05 * 2 ** min(self._admit_failures, 6), 2.0))
+            return 0
+        self._admit_failures = 0
+        with self._book_lock:
+            self._release_owed -= owed
         if self._spool is not None:
             self._spool.released(owed)
             self._spool.admitted(decision.granted)
@@ -166,47 +216,174 @@ class Actor(core.Worker):
             prompts.extend([p] * min(self._group_size, n - len(prompts)))
         return prompts
 
-    def _in_delivery_order(self, rollouts):
-        """Yields rollouts when they are due: at once, or after their injected delays."""
-        if self._delay_sampler is None:
-            yield from rollouts
-            return
+    # --- delayed delivery (issue 8) -------------------------------------------------------------
+    def _deliver_later(self, rollouts) -> None:
+        """Hands a generated (and spooled) batch to the delivery thread: each rollout is inserted
+        `delay` seconds from now (its injected latency), in ready order. Starts the thread on
+        first use."""
         delays = np.asarray(self._delay_sampler(len(rollouts)), dtype=np.float64)
-        start = time.monotonic()
-        for i in np.argsort(delays, kind="stable"):
-            if self._stop.wait(max(0.0, start + delays[i] - time.monotonic())):
-                return
-            self.counters["injected_delay_s"] += float(delays[i])
-            yield rollouts[i]
+        now = time.monotonic()
+        with self._delivery_cv:
+            self._raise_delivery_error()
+            for r, d in zip(rollouts, delays):
+                heapq.heappush(self._delivery_heap,
+                               (now + float(d), next(self._delivery_seq), float(d), r))
+            self._waiting += len(rollouts)
+            if self._delivery_thread is None:
+                self._delivery_closing = False
+                self._delivery_thread = threading.Thread(
+                    target=self._delivery_loop, name=f"actor_{self.actor_id}_delivery",
+                    daemon=True)
+                self._delivery_thread.start()
+            self._delivery_cv.notify_all()
+
+    def _delivery_loop(self) -> None:
+        """The delivery thread: pops each rollout when it is due and writes it (`_write`); every
+        second without one due it settles landed inserts. Returns at stop() (what still waits
+        stays pending in the spool) or when `_close_delivery` closes it."""
+        try:
+            while True:
+                with self._delivery_cv:
+                    if self._stop.is_set() or self._delivery_closing:
+                        return
+                    due_in = (self._delivery_heap[0][0] - time.monotonic()
+                              if self._delivery_heap else 1.0)
+                    if due_in > 0:
+                        self._delivery_cv.wait(min(due_in, 1.0))
+                        item = None
+                    else:
+                        item = heapq.heappop(self._delivery_heap)
+                if item is None:
+                    self._spool_settle_landed()   # what the main loop does without a delay
+                    continue
+                _, _, delay, r = item
+                with self._book_lock:
+                    self.counters["injected_delay_s"] += delay
+                    self.counters["reward_sum"] += r.total_reward
+                inserted = self._write(r)
+                with self._book_lock:
+                    if inserted:
+                        self.counters["rollouts_inserted"] += 1
+                with self._delivery_cv:
+                    self._waiting -= 1
+                    self._delivery_cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main loop
+            with self._delivery_cv:
+                self._delivery_error = e
+                self._delivery_cv.notify_all()
+
+    def _raise_delivery_error(self) -> None:
+        if self._delivery_error is not None:
+            raise RuntimeError(f"actor {self.actor_id}: the delivery thread failed: "
+                               f"{self._delivery_error!r}") from self._delivery_error
+
+    def _wait_for_delivery_room(self) -> None:
+        """Blocks while another batch would put more than `max_waiting` rollouts in delivery
+        (or until stop())."""
+        with self._delivery_cv:
+            while self._waiting + self._actor_batch > self._max_waiting and \
+                    not self._stop.is_set():
+                self._raise_delivery_error()
+                self._delivery_cv.wait(0.5)
+            self._raise_delivery_error()
+
+    def _close_delivery(self, drain: bool) -> None:
+        """Stops the delivery thread; with `drain`, first lets it write everything handed to it
+        (unless stop() comes first)."""
+        if self._delivery_thread is None:
+            return
+        with self._delivery_cv:
+            while drain and self._waiting > 0 and not self._stop.is_set() and \
+                    self._delivery_error is None:
+                self._delivery_cv.wait(0.5)
+            self._delivery_closing = True
+            self._delivery_cv.notify_all()
+        self._delivery_thread.join()
+        self._delivery_thread = None
+        if drain:
+            self._raise_delivery_error()
 
     def _write(self, rollout) -> bool:
         while not self._stop.is_set():
             if self._writer.write(rollout, timeout_s=1.0):
-                self._spool_settle(rollout, rejected=False)
+                with self._book_lock:
+                    if getattr(self._writer, "last_write_confirmed", True):
+                        self._spool_settle(rollout, rejected=False)
+                    else:   # waits in replay's rate limiter: spooled until it lands (issue 7)
+                        seq = self._spool_seqs.pop(id(rollout), None)
+                        if seq is not None:
+                            self._spool_unconfirmed[self._writer.last_ticket] = seq
+                    self._spool_settle_landed()
                 return True
             if self._last_write_rejected():
-                self._spool_settle(rollout, rejected=True)
-                self._release_owed += 1    # its admission slot goes back (issue 7)
+                with self._book_lock:
+                    self._spool_settle(rollout, rejected=True)
+                    self._release_owed += 1    # its admission slot goes back (issue 7)
                 return False
         return False
+
+    def _write_batch(self, rollouts) -> int:
+        """`_write` for a whole generation through `write_many` (issue 8): one free-slot check
+        and one confirmation round trip per call instead of per rollout. Rollouts the table had
+        no room for are written again, as `_write` does, until inserted, rejected or the actor
+        stops. Returns how many were inserted."""
+        pending, inserted = list(rollouts), 0
+        while pending and not self._stop.is_set():
+            retry = []
+            for r, result in zip(pending, self._writer.write_many(pending, timeout_s=1.0)):
+                if result.inserted:
+                    inserted += 1
+                    if result.confirmed:
+                        self._spool_settle(r, rejected=False)
+                    else:   # waits in replay's rate limiter: spooled until it lands (issue 7)
+                        seq = self._spool_seqs.pop(id(r), None)
+                        if seq is not None:
+                            self._spool_unconfirmed[result.ticket] = seq
+                elif result.rejected is not None:
+                    self._spool_settle(r, rejected=True, reason=result.rejected)
+                    self._release_owed += 1    # its admission slot goes back (issue 7)
+                else:
+                    retry.append(r)            # nothing was sent: no duplicate
+            pending = retry
+            self._spool_settle_landed()
+        self._rejected_seen = sum(self._writer.rejected.values())   # see _last_write_rejected
+        return inserted
 
     def _spool_put(self, rollouts) -> None:
         """Spool (issue 7): keeps completed rollouts on disk until replay confirms them."""
         if self._spool is not None:
             for r in rollouts:
-                self._spool_seqs[id(r)] = self._spool.put(r)
+                seq = self._spool.put(r)
+                with self._book_lock:
+                    self._spool_seqs[id(r)] = seq
 
-    def _spool_settle(self, rollout, rejected: bool) -> None:
-        """Spool (issue 7): forgets a rollout once replay has it or the writer refused it."""
-        seq = self._spool_seqs.pop(id(rollout), None)
+    def _spool_settle_landed(self) -> None:
+        """Spool (issue 7): marks inserted the rollouts whose insert was unconfirmed when
+        `write` returned and has landed since. One still waiting when the actor stops stays
+        pending in the spool (at the end of a run nothing frees its slot; a resumed run or a
+        restarted actor inserts it again, at worst a counted duplicate)."""
+        with self._book_lock:
+            if not self._spool_unconfirmed or not hasattr(self._writer, "take_landed"):
+                return
+            for ticket in self._writer.take_landed():
+                seq = self._spool_unconfirmed.pop(ticket, None)
+                if seq is not None and self._spool is not None:
+                    self._spool.inserted_seq(seq)
+
+    def _spool_settle(self, rollout, rejected: bool, reason: Optional[str] = None) -> None:
+        """Spool (issue 7): forgets a rollout once replay has it or the writer refused it
+        (`reason`: why, if known; else read off the writer's counters)."""
+        with self._book_lock:
+            seq = self._spool_seqs.pop(id(rollout), None)
         if self._spool is None or seq is None:
             return
         if not rejected:
             self._spool.inserted_seq(seq)
             return
         now = dict(self._writer.rejected)
-        reason = next((k for k, v in now.items() if v > self._spool_reasons_seen.get(k, 0)),
-                      "rejected")
+        if reason is None:
+            reason = next((k for k, v in now.items() if v > self._spool_reasons_seen.get(k, 0)),
+                          "rejected")
         self._spool_reasons_seen = now
         self._spool.rejected_seq(seq, reason)
 
@@ -232,12 +409,25 @@ class Actor(core.Worker):
 
     def _write_stats(self) -> None:
         if self._stats_path:
+            with self._book_lock:
+                counters = dict(self.counters)
             write_json_atomic(self._stats_path, {
-                **self.counters, "actor_id": self.actor_id, "engine_version": self._engine.version,
+                **counters, "actor_id": self.actor_id, "engine_version": self._engine.version,
                 "rejected": dict(self._writer.rejected), "env_counters": dict(self.env_counters),
                 "time": time.time()})
 
     def run(self) -> None:
+        try:
+            self._run()
+        except BaseException:
+            self._stop.set()   # ends the delivery thread's writes too (`_write` checks it)
+            self._close_delivery(drain=False)   # what waits stays pending in the spool
+            raise
+        self._close_delivery(drain=True)
+        self._spool_settle_landed()
+        self._write_stats()
+
+    def _run(self) -> None:
         self._redeliver_spooled()
         # Wait for the learner's first publish (version 0) so no rollout uses unknown weights.
         while not self._stop.is_set() and self._variables.version < 0:
@@ -248,6 +438,10 @@ class Actor(core.Worker):
             if self._max_rollouts is not None and \
                     self.counters["rollouts_generated"] >= self._max_rollouts:
                 break
+            if self._delay_sampler is not None:
+                self._wait_for_delivery_room()   # bounds what waits for delivery
+                if self._stop.is_set():
+                    break
             self._maybe_update_weights()
             n = self._admitted()
             if n <= 0:
@@ -261,11 +455,22 @@ class Actor(core.Worker):
                                     env_threads=self._env_threads, counters=self.env_counters)
             self.counters["rollouts_generated"] += len(rollouts)
             self._spool_put(rollouts)
-            for r in self._in_delivery_order(rollouts):
-                self.counters["reward_sum"] += r.total_reward
-                if self._write(r):
-                    self.counters["rollouts_inserted"] += 1
+            if self._delay_sampler is not None:
+                # Issue 8: the batch waits out its delays in the delivery thread (inserted in
+                # ready order) while this loop asks admission and generates the next one.
+                self._deliver_later(rollouts)
+            elif hasattr(self._writer, "write_many"):
+                # Issue 8: the whole generation in one write_many (one free-slot check, one
+                # confirmation round trip), not one write per rollout.
+                self.counters["reward_sum"] += sum(r.total_reward for r in rollouts)
+                self.counters["rollouts_inserted"] += self._write_batch(rollouts)
+            else:
+                for r in rollouts:
+                    self.counters["reward_sum"] += r.total_reward
+                    if self._write(r):
+                        self.counters["rollouts_inserted"] += 1
             if time.time() - last_stats > 1.0:
+                if self._delivery_thread is None:   # else the delivery thread settles them
+                    self._spool_settle_landed()
                 self._write_stats()
                 last_stats = time.time()
-        self._write_stats()
