@@ -309,3 +309,18 @@ def test_finiteness_check_in_the_tensors_own_precision_is_exact():
     for what, values in refuse.items():
         with pytest.raises(PayloadRejected, match="NaN or infinite"):
             SafetensorsValidator()(0, save({"w": values}), "safetensors")
+
+
+def test_finiteness_check_covers_bfloat16():
+    """bf16 (what an LLM learner publishes) has no numpy dtype: NaN/inf are found from the bits,
+    checked here against torch's own bfloat16 values."""
+    import torch
+    from safetensors.torch import save
+    from sao_actor_learner.variables.security import PayloadRejected
+    finite = torch.tensor([0.0, -0.0, 1.0, -3.0e38, 3.0e38, 1e-40, -2.5], dtype=torch.bfloat16)
+    SafetensorsValidator()(0, save({"w": finite}), "safetensors")
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        values = finite.clone()
+        values[3] = bad
+        with pytest.raises(PayloadRejected, match="NaN or infinite"):
+            SafetensorsValidator()(0, save({"w": values}), "safetensors")

@@ -221,7 +221,7 @@ class SafetensorsValidator:
     Call as `validator(version, payload, format)`; raises PayloadRejected (a ValueError) with
     what is wrong. `expected`: the manifest every version must match; None pins the manifest of
     the first version that passes the layout checks. `check_finite`: also refuse NaN/inf in
-    F16/F32/F64 tensors (reads every float: O(payload)).
+    BF16/F16/F32/F64 tensors (reads every float: O(payload)).
     """
 
     def __init__(self, expected: Optional[Mapping[str, Tuple[str, Tuple[int, ...]]]] = None,
@@ -254,7 +254,17 @@ class SafetensorsValidator:
         view = memoryview(payload).cast("B")
         header, start = _header(view)
         for name, entry in header.items():
-            if name == "__metadata__" or entry["dtype"] not in _FLOAT_NUMPY:
+            if name == "__metadata__":
+                continue
+            if entry["dtype"] == "BF16":
+                # No numpy bfloat16: a bfloat16 is NaN or infinite exactly when its 8 exponent
+                # bits (0x7F80 of the 16) are all ones.
+                begin, end = entry["data_offsets"]
+                bits = np.frombuffer(view[start + begin:start + end], dtype=np.uint16)
+                if np.any((bits & 0x7F80) == 0x7F80):
+                    raise PayloadRejected(f"tensor {name!r} holds NaN or infinite values")
+                continue
+            if entry["dtype"] not in _FLOAT_NUMPY:
                 continue
             begin, end = entry["data_offsets"]
             values = np.frombuffer(view[start + begin:start + end],
