@@ -202,3 +202,19 @@ class Sleeper(Worker):
 
 def make_sleeper(seconds: float = 0.1) -> Sleeper:
     return Sleeper(seconds)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie or dead (psutil-free)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

@@ -37,18 +37,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(300)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 # ------------------------------------------------------------------------ restart policies
 def test_restart_policy_backoff_and_validation():
     policy = lp.RestartPolicy(max_restarts=5, backoff_s=0.5, max_backoff_s=3.0)
@@ -90,7 +78,7 @@ def test_local_mp_kill_9_is_restarted_with_backoff_and_nodes_json_follows(tmp_pa
         [entry] = node["restart_history"]
         assert entry["pid"] == first and entry["exitcode"] == -signal.SIGKILL
         assert entry["reason"] == "crashed" and entry["backoff_s"] == 0.3
-        assert not _alive(first) and _alive(pids[1])
+        assert not fx.pid_alive(first) and fx.pid_alive(pids[1])
         # The crasher crashed twice, was restarted twice, then ran to completion.
         assert launched.wait(timeout=60) is True
     nodes = ff.nodes_json(str(tmp_path))

@@ -27,22 +27,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(60)
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie (psutil-free)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def _child_pids(launched: lp.Launched) -> list:
     return [n["pid"] for n in launched.nodes_info() if n["pid"] is not None]
 
@@ -200,7 +184,7 @@ def test_local_mp_end_to_end(tmp_path):
     assert result["env"] == "42" and "SAO_LAUNCH_TEST" not in os.environ
     assert json.loads((tmp_path / "forever.json").read_text())["stopped"]   # cooperative stop
     assert launched.exitcodes == {"echo": [0], "raw": [0], "asker": [0], "forever": [0]}
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if fx.pid_alive(p)]
     nodes = json.loads((tmp_path / "nodes.json").read_text())
     assert nodes["launch_type"] == "local_mp"
     by_name = {n["name"]: n for n in nodes["nodes"]}
@@ -227,7 +211,7 @@ def test_local_mp_failure_raises_with_log_tail_and_stops_the_rest(tmp_path):
     assert "failing line 0\n" not in msg and len(info.value.details.splitlines()) <= 41
     assert json.loads((tmp_path / "forever.json").read_text())["stopped"]
     assert launched.statuses == {"forever": ["finished"], "failing": ["failed"]}
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if fx.pid_alive(p)]
     statuses = {n["name"]: n["status"]
                 for n in json.loads((tmp_path / "nodes.json").read_text())["nodes"]}
     assert statuses == {"forever_0": "finished", "failing_0": "failed"}
@@ -244,7 +228,7 @@ def test_local_mp_stop_ignoring_node_is_killed_after_notice(tmp_path):
     assert launched.wait(timeout=30) is True
     assert launched.statuses == {"sleeper": ["finished"], "stubborn": ["killed"]}
     assert launched.exitcodes["stubborn"] == [-signal.SIGTERM]
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if fx.pid_alive(p)]
     assert time.monotonic() - t0 < 10
     assert "ignoring stop" in (tmp_path / "logs" / "stubborn_0.log").read_text()
 
@@ -271,7 +255,7 @@ def test_local_mp_keyboard_interrupt_in_wait_stops_children(tmp_path):
     threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
     with pytest.raises(KeyboardInterrupt):
         launched.wait(timeout=30)
-    assert launched.stopped and not [p for p in pids if _alive(p)]
+    assert launched.stopped and not [p for p in pids if fx.pid_alive(p)]
     assert json.loads((tmp_path / "forever.json").read_text())["stopped"]
 
 
@@ -297,7 +281,7 @@ def test_local_mp_second_interrupt_during_stop_kills_at_once(tmp_path):
     assert time.monotonic() - t0 < 10                      # not the 20 s notice
     assert launched.statuses == {"sleeper": ["finished"], "stubborn": ["killed"]}
     assert launched.exitcodes["stubborn"] == [-signal.SIGKILL]
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if fx.pid_alive(p)]
 
 
 def test_local_mp_children_exit_when_the_launcher_dies(tmp_path):
@@ -316,13 +300,13 @@ def test_local_mp_children_exit_when_the_launcher_dies(tmp_path):
     try:
         assert parent.stdout.readline().strip() == "ready"
         child = json.loads((tmp_path / "nodes.json").read_text())["nodes"][0]["pid"]
-        assert _alive(child)
+        assert fx.pid_alive(child)
         parent.kill()                        # no finally, no atexit: the child must notice
         parent.wait(5)
         deadline = time.monotonic() + 10
-        while _alive(child) and time.monotonic() < deadline:
+        while fx.pid_alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(child)
+        assert not fx.pid_alive(child)
         assert json.loads((tmp_path / "forever.json").read_text())["stopped"]
     finally:
         if parent.poll() is None:

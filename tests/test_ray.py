@@ -36,18 +36,6 @@ def ray_instance():
     ray.shutdown()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def test_program_on_ray_handles_resources_restart_and_clean_stop(tmp_path):
     program = lp.Program("toy")
     with program.group("echo"):
@@ -83,7 +71,7 @@ def test_program_on_ray_handles_resources_restart_and_clean_stop(tmp_path):
     assert {n["status"] for n in nodes.values()} == {"finished"}
     assert "asker result" in (tmp_path / "logs" / "asker_0.log").read_text()
     time.sleep(1.0)
-    assert not [n["pid"] for n in nodes.values() if _alive(n["pid"])]   # every actor is gone
+    assert not [n["pid"] for n in nodes.values() if fx.pid_alive(n["pid"])]   # every actor is gone
 
 
 def test_wildcard_bind_resolves_to_the_machine_address_and_services_restart_in_place(tmp_path):

@@ -19,7 +19,10 @@ import time
 import pytest
 import torch
 
-from sao_actor_learner.config import ConfigError, SAOConfig
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import launch_fixtures as fx  # noqa: E402
+
+from sao_actor_learner.config import ConfigError, SAOConfig  # noqa: E402
 from sao_actor_learner.core import Engine, SamplingParams
 from sao_actor_learner.engines import VLLMEngine, VLLMServer, VLLMServerError
 from sao_actor_learner.engines.torch_engine import _top_p_logprobs
@@ -69,7 +72,7 @@ def served(tmp_path_factory):
     shm = procs.shm_files(group) | engine.server.shm_files
     assert len(group) >= 2 and shm, "expected an api server, an engine core and shared memory"
     engine.close()
-    assert not [p for p in group if _pid_alive(p)], "close() left vLLM processes running"
+    assert not [p for p in group if fx.pid_alive(p)], "close() left vLLM processes running"
     assert not [f for f in shm if os.path.exists(f)], "close() left vLLM's shared memory"
 
 
@@ -91,19 +94,6 @@ def teacher_forced(model, prompt, tokens, temperature=1.0, top_p=1.0):
     if top_p < 1.0:
         logp = _top_p_logprobs(logp, top_p)
     return logp[len(prompt) - 1:-1].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
-
-
-def _pid_alive(pid) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped) counts as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # --- log-probs, sampling, prompts ----------------------------------------------------------------
@@ -327,7 +317,7 @@ def test_dead_server_is_restarted_with_the_latest_weights(served):
     after = engine.generate(PROMPTS, params)              # restarts the server, then re-sends
     assert engine.server.pid != old_pid and engine.server.alive()
     assert engine.counters["server_restarts"] == 1
-    assert not _pid_alive(old_pid)
+    assert not fx.pid_alive(old_pid)
     # The whole server goes the same way; its shared memory is unlinked all the same. (Its
     # resource tracker survives, as it would a crash, and unlinks its semaphores.)
     shm = set(engine.server.shm_files)
@@ -355,7 +345,7 @@ def test_server_start_failures_are_actionable(tmp_path, served):
     slow = VLLMServer(ckpt, log_path=str(tmp_path / "slow.log"), start_timeout_s=1.0)
     with pytest.raises(VLLMServerError, match="did not answer /health within start_timeout_s=1"):
         slow.start()
-    assert not _pid_alive(slow.pid)
+    assert not fx.pid_alive(slow.pid)
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "no_such_architecture"}')
@@ -383,13 +373,13 @@ def test_server_stops_when_its_parent_is_killed(tmp_path, served):
         stdout=subprocess.PIPE, text=True)
     server_pid = int(parent.stdout.readline())
     time.sleep(2.0)
-    assert _pid_alive(server_pid)
+    assert fx.pid_alive(server_pid)
     parent.kill()
     parent.wait()
     deadline = time.time() + 30
-    while time.time() < deadline and _pid_alive(server_pid):
+    while time.time() < deadline and fx.pid_alive(server_pid):
         time.sleep(0.2)
-    assert not _pid_alive(server_pid)
+    assert not fx.pid_alive(server_pid)
     assert "is gone; stopping the server" in log.read_text()
     assert not procs.group_pids(server_pid)
 
