@@ -138,11 +138,7 @@ def plot(rows, shift_every, max_steps, eval_every, path, title):
         ax.set_title(name, fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return sweeps.save_figure(fig, path, title)
 
 
 def main(argv):
@@ -201,13 +197,9 @@ def main(argv):
               f"{sum(s['phase_mean_reward'] for s in group) / len(group):>10.3f} "
               f"{shown:>16} {_eval_pair(group):>18} {_eval_back(group):>15}"
               + (f"  (reward recovery mean {sum(done) / len(done):.1f})" if done else ""))
-    sweeps.copy_results(FLAGS.out_dir, FLAGS.results_dir,
-                        ("results.csv", "recovery.csv", "online_shift.png"))
-    failed = [r for r in rows if r.get("status") != "ok"]
-    print(f"{len(rows)} runs, {len(failed)} failed; results: "
-          f"{os.path.join(FLAGS.out_dir, 'results.csv')}, recovery.csv; plot: {path}")
-    if failed:
-        sys.exit(1)
+    sweeps.finish(rows, FLAGS.out_dir, FLAGS.results_dir,
+                  ("results.csv", "recovery.csv", "online_shift.png"),
+                  f", recovery.csv; plot: {path}")
 
 
 if __name__ == "__main__":

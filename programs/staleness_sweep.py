@@ -83,13 +83,9 @@ def main(argv):
                                        title),
              sweeps.plot_drift_vs_staleness(rows, os.path.join(FLAGS.out_dir,
                                                                "drift_vs_staleness.png"), title)]
-    sweeps.copy_results(FLAGS.out_dir, FLAGS.results_dir,
-                        ("results.csv", "reward_vs_step.png", "drift_vs_staleness.png"))
-    failed = [r for r in rows if r.get("status") != "ok"]
-    print(f"{len(rows)} runs, {len(failed)} failed; results: "
-          f"{os.path.join(FLAGS.out_dir, 'results.csv')}; plots: {', '.join(plots)}")
-    if failed:
-        sys.exit(1)
+    sweeps.finish(rows, FLAGS.out_dir, FLAGS.results_dir,
+                  ("results.csv", "reward_vs_step.png", "drift_vs_staleness.png"),
+                  f"; plots: {', '.join(plots)}")
 
 
 if __name__ == "__main__":

@@ -92,11 +92,7 @@ def plot(rows, path, title):
     axes[1].set_xticks(xs)
     axes[1].grid(alpha=0.3)
     axes[1].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return sweeps.save_figure(fig, path, title)
 
 
 def main(argv):
@@ -134,13 +130,8 @@ def main(argv):
             return f"{sum(vals) / len(vals):.3f}" if vals else "-"
         print(f"{n:>8} {len(group):>5} {mean('pretrain_final_ev'):>11} {mean('early_ev'):>9} "
               f"{mean('final_reward'):>12} {mean('final_eval_accuracy'):>9}")
-    sweeps.copy_results(FLAGS.out_dir, FLAGS.results_dir,
-                        ("results.csv", "value_pretrain.png"))
-    failed = [r for r in rows if r.get("status") != "ok"]
-    print(f"{len(rows)} runs, {len(failed)} failed; results: "
-          f"{os.path.join(FLAGS.out_dir, 'results.csv')}; plot: {path}")
-    if failed:
-        sys.exit(1)
+    sweeps.finish(rows, FLAGS.out_dir, FLAGS.results_dir, ("results.csv", "value_pretrain.png"),
+                  f"; plot: {path}")
 
 
 if __name__ == "__main__":

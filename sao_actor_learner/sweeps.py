@@ -305,7 +305,32 @@ def copy_results(out_dir: str, results_dir: str, names: Sequence[str]) -> List[s
     return copied
 
 
+def finish(rows: Sequence[Dict], out_dir: str, results_dir: str, names: Sequence[str],
+           outputs: str) -> None:
+    """The end of a study program: copies `names` to `results_dir` (copy_results), prints how
+    many runs failed and where the results are (`outputs`: what follows results.csv), and exits
+    with status 1 if any run failed."""
+    import sys
+    copy_results(out_dir, results_dir, names)
+    failed = [r for r in rows if r.get("status") != "ok"]
+    print(f"{len(rows)} runs, {len(failed)} failed; results: "
+          f"{os.path.join(out_dir, 'results.csv')}{outputs}")
+    if failed:
+        sys.exit(1)
+
+
 # --- plots ----------------------------------------------------------------------------------------
+def save_figure(fig, path: str, title: str = "") -> str:
+    """Titles (if `title`), lays out, writes `fig` to `path` as a PNG and closes it; `path`."""
+    import matplotlib.pyplot as plt
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
@@ -374,12 +399,7 @@ def plot_reward_curves(rows: Sequence[Dict], path: str, title: str = "",
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("training reward")
     axes[0][-1].legend(fontsize=7, loc="lower right")
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def plot_drift_vs_staleness(rows: Sequence[Dict], path: str, title: str = "") -> str:
@@ -408,9 +428,4 @@ def plot_drift_vs_staleness(rows: Sequence[Dict], path: str, title: str = "") ->
         ax.set_title(name, fontsize=9)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
