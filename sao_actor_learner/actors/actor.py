@@ -307,12 +307,9 @@ class Actor(core.Worker):
         while not self._stop.is_set():
             if self._writer.write(rollout, timeout_s=1.0):
                 with self._book_lock:
-                    if getattr(self._writer, "last_write_confirmed", True):
-                        self._spool_settle(rollout, rejected=False)
-                    else:   # waits in replay's rate limiter: spooled until it lands (issue 7)
-                        seq = self._spool_seqs.pop(id(rollout), None)
-                        if seq is not None:
-                            self._spool_unconfirmed[self._writer.last_ticket] = seq
+                    self._spool_written(
+                        rollout, getattr(self._writer, "last_write_confirmed", True),
+                        getattr(self._writer, "last_ticket", None))
                     self._spool_settle_landed()
                 return True
             if self._last_write_rejected():
@@ -333,12 +330,7 @@ class Actor(core.Worker):
             for r, result in zip(pending, self._writer.write_many(pending, timeout_s=1.0)):
                 if result.inserted:
                     inserted += 1
-                    if result.confirmed:
-                        self._spool_settle(r, rejected=False)
-                    else:   # waits in replay's rate limiter: spooled until it lands (issue 7)
-                        seq = self._spool_seqs.pop(id(r), None)
-                        if seq is not None:
-                            self._spool_unconfirmed[result.ticket] = seq
+                    self._spool_written(r, result.confirmed, result.ticket)
                 elif result.rejected is not None:
                     self._spool_settle(r, rejected=True, reason=result.rejected)
                     self._release_owed += 1    # its admission slot goes back (issue 7)
@@ -356,6 +348,17 @@ class Actor(core.Worker):
                 seq = self._spool.put(r)
                 with self._book_lock:
                     self._spool_seqs[id(r)] = seq
+
+    def _spool_written(self, rollout, confirmed: bool, ticket) -> None:
+        """Spool (issue 7): a write of `rollout` returned inserted. Confirmed: forget it. Still
+        waiting in replay's rate limiter: keep it spooled under the writer's `ticket` until
+        `_spool_settle_landed` sees it land."""
+        if confirmed:
+            self._spool_settle(rollout, rejected=False)
+            return
+        seq = self._spool_seqs.pop(id(rollout), None)
+        if seq is not None:
+            self._spool_unconfirmed[ticket] = seq
 
     def _spool_settle_landed(self) -> None:
         """Spool (issue 7): marks inserted the rollouts whose insert was unconfirmed when
