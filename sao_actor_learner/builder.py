@@ -30,9 +30,10 @@ def setup_process(config: SAOConfig, offset: int = 0) -> None:
     torch.manual_seed(config.seed + offset)
 
 
-def sampling_params(config: SAOConfig, greedy: bool = False, eos_id: Optional[int] = None):
+def sampling_params(config: SAOConfig, greedy: bool = False, stop_ids=()):
+    """Training (or greedy evaluation) sampling; `stop_ids` are the tokenizer's."""
     from sao_actor_learner.core import SamplingParams
-    stop = (eos_id,) if eos_id is not None else ()
+    stop = tuple(int(t) for t in stop_ids)
     return SamplingParams(max_new_tokens=config.max_new_tokens,
                           temperature=0.0 if greedy else config.temperature,
                           top_p=1.0 if greedy else config.top_p, stop_token_ids=stop)
@@ -163,14 +164,37 @@ def make_variable_server(config: SAOConfig, publisher_token: str, port: int = 0,
                           validate_payload=SafetensorsValidator())
 
 
-def make_task(config: SAOConfig, actor_id: int = 0):
-    """The task; actors get disjoint prompt ids (offset = actor id, stride = number of actors)."""
+def make_task(config: SAOConfig, actor_id: int = 0, tokenizer=None):
+    """The task; actors get disjoint prompt ids (offset = actor id, stride = number of actors).
+    `tokenizer` is the model's (the dataset task encodes its prompts with it)."""
     from sao_actor_learner.tasks import make_task as _make_task
+    if config.task == "dataset":
+        return make_dataset_task(config, tokenizer, actor_id)
     extra = {"shift_every": config.shift_every} if config.task == "online_shift" else {}
     if config.task == "calculator_tool":  # issue 3: tool latency and timeout
         extra = {"tool_latency": config.tool_latency, "tool_timeout_s": config.tool_timeout_s}
     return _make_task(config.task, seed=config.seed, num_eval=config.eval_size,
                       prompt_id_offset=actor_id, prompt_id_stride=config.num_actors, **extra)
+
+
+def make_dataset_task(config: SAOConfig, tokenizer, actor_id: int = 0):
+    """The dataset task of config (tasks/dataset.py) over `tokenizer`, with its reward."""
+    from sao_actor_learner.rewards import make_reward
+    from sao_actor_learner.tasks.dataset import DatasetTask, PromptRenderer
+    renderer = PromptRenderer(tokenizer, config.apply_chat_template, config.template_kwargs,
+                              config.system_prompt, config.instruction_suffix)
+    reward = make_reward(config.reward, timeout_s=config.reward_timeout_s,
+                         workers=config.reward_workers)
+    try:
+        return DatasetTask(tokenizer, config.train_files, config.eval_files, reward,
+                           renderer=renderer, prompt_key=config.prompt_key,
+                           answer_key=config.answer_key,
+                           max_prompt_length=config.max_prompt_length,
+                           num_eval=config.eval_size, seed=config.seed, shuffle=config.shuffle,
+                           prompt_id_offset=actor_id, prompt_id_stride=config.num_actors)
+    except BaseException:
+        reward.close()
+        raise
 
 
 def _follow_engine_version(task, engine) -> None:
@@ -189,14 +213,14 @@ def make_engine(config: SAOConfig, role: str = "actor", run_dir: Optional[str] =
         from sao_actor_learner.engines import VLLMEngine
         log_dir = os.path.join(run_dir or config.run_dir, "logs")
         return VLLMEngine.from_checkpoint(
-            config.init_checkpoint, weight_sync_mode=config.vllm_weight_sync_mode,
+            config.model, weight_sync_mode=config.vllm_weight_sync_mode,
             python=config.vllm_python, log_path=os.path.join(log_dir, f"vllm_{role}.log"),
             start_timeout_s=config.vllm_start_timeout_s, max_restarts=config.vllm_max_restarts,
             kv_cache_gb=config.vllm_kv_cache_gb, threads=config.threads_per_process,
             enforce_eager=config.vllm_enforce_eager, seed=config.seed,
             max_concurrency=max(config.actor_batch * max(config.group_size, 1), 1))
     from sao_actor_learner.engines import TorchEngine
-    return TorchEngine.from_checkpoint(config.init_checkpoint)
+    return TorchEngine.from_checkpoint(config.model)
 
 
 def make_learner(config: SAOConfig, replay_address: str, variables_address: str,
@@ -215,9 +239,11 @@ def make_learner(config: SAOConfig, replay_address: str, variables_address: str,
 
     run_dir = run_dir or config.run_dir
     resume = journal_lib.ResumePoint(os.path.join(run_dir, "checkpoints"))
-    policy, tokenizer = ckpt.load_policy(resume.checkpoint or config.init_checkpoint)
+    policy, tokenizer = ckpt.load_policy(resume.checkpoint or config.model)
     if config.algorithm == "sao":
-        critic = ValueModel.from_policy(policy)
+        # A resumed learner's critic weights come from its checkpoint (resume.restore).
+        critic = ValueModel.load(config.critic_model) if config.critic_model else \
+            ValueModel.from_policy(policy)
         critic.freeze(config.critic_frozen_patterns)
         learner_cls, args = SAOLearner, (config, policy, critic)
     elif config.algorithm == "grpo":
@@ -236,7 +262,7 @@ def make_learner(config: SAOConfig, replay_address: str, variables_address: str,
         logger=MetricsLogger(run_dir, "learner"),
         checkpoint_fn=lambda learner, step: save_learner_checkpoint(
             learner, tokenizer, run_dir, step, keep=config.keep_checkpoints),
-        pad_id=tokenizer.pad_id)
+        pad_id=tokenizer.pad_id, token_limit=ckpt.token_limit(policy, tokenizer))
     resume.restore(learner)
     return learner
 
@@ -300,7 +326,7 @@ def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_
     from sao_actor_learner.actors.delays import make_delay_sampler
 
     engine = make_engine(config, role=f"actor_{actor_id}", run_dir=run_dir)
-    task = make_task(config, actor_id)
+    task = make_task(config, actor_id, tokenizer=engine.tokenizer)
     _follow_engine_version(task, engine)
     run_dir = run_dir or config.run_dir
     delay_rng = np.random.default_rng([config.seed, actor_id, 2])
@@ -315,7 +341,7 @@ def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_
         writer=RolloutWriter(replay_address, max_sequence_length=config.max_sequence_length,
                              vocab_size=engine.tokenizer.vocab_size),
         decode=ckpt.bytes_to_state_dict_views,  # issue 8: engines copy them into the model
-        params=sampling_params(config, eos_id=engine.tokenizer.eos_id),
+        params=sampling_params(config, stop_ids=engine.tokenizer.stop_ids),
         actor_batch=config.actor_batch, admission_control=config.admission_control,
         seed=config.seed, max_total_tokens=config.max_sequence_length,
         max_turns=config.max_turns, env_threads=config.env_threads,
@@ -336,13 +362,16 @@ def make_evaluator(config: SAOConfig, variables_address: str, run_dir: Optional[
     from sao_actor_learner.variables import VariableClient
 
     engine = make_engine(config, role="evaluator", run_dir=run_dir)
-    task = make_task(config)
+    task = make_task(config, tokenizer=engine.tokenizer)
     _follow_engine_version(task, engine)
     return Evaluator(task, engine,
                      variables=VariableClient(variables_address, config.variable_update_period_s,
                                               **_variables_client_security(config, auth_token)),
                      decode=ckpt.bytes_to_state_dict_views,  # issue 8: no copy
-                     params=sampling_params(config, greedy=True, eos_id=engine.tokenizer.eos_id),
+                     params=sampling_params(config, greedy=True,
+                                            stop_ids=engine.tokenizer.stop_ids),
+                     pass_k=config.eval_pass_k,
+                     sample_params=sampling_params(config, stop_ids=engine.tokenizer.stop_ids),
                      eval_every=config.eval_every, max_steps=config.max_steps,
                      logger=MetricsLogger(run_dir or config.run_dir, "evaluator"),
                      max_turns=config.max_turns, max_total_tokens=config.max_sequence_length,

@@ -26,12 +26,16 @@ TASKS = ("arithmetic", "online_shift")  # online_shift: tasks/online_shift.py (i
 # Agentic multi-turn rollouts (issue 3): the calculator-tool task and per-task defaults for the
 # fields left at 0 / "" ("the task's default"); tasks not listed take arithmetic's.
 TASKS += ("calculator_tool",)  # tasks/calculator_tool.py
+TASKS += ("dataset",)          # tasks/dataset.py: prompts from --train_files, a --reward
 TASK_DEFAULTS = {
     "arithmetic": dict(init_checkpoint="checkpoints/warm_start", max_sequence_length=64,
                        max_new_tokens=8, max_turns=1, env_threads=1),
     "calculator_tool": dict(init_checkpoint="checkpoints/warm_start_calculator_tool",
                             max_sequence_length=96, max_new_tokens=16, max_turns=4,
                             env_threads="actor_batch"),
+    # The reward runs in the environment step: off the generation thread (env_threads).
+    "dataset": dict(max_sequence_length=512, max_new_tokens=128, max_turns=1,
+                    env_threads="actor_batch"),
 }
 
 
@@ -47,7 +51,12 @@ class SAOConfig:
     run_dir: str = "runs/default"
     launch: str = "local_mp"
     num_actors: int = 2
-    init_checkpoint: str = ""             # "": the task's (checkpoints/warm_start[_calculator_tool])
+    model: str = ""                       # the policy's Hugging Face model directory (any causal
+                                          # LM with its tokenizer); "": init_checkpoint
+    init_checkpoint: str = ""             # the same directory under its older name; "": the
+                                          # task's (checkpoints/warm_start[_calculator_tool])
+    critic_model: str = ""                # the critic's start: a critic directory (ValueModel.save,
+                                          # e.g. value-pretrained) or a causal LM; "": the policy's
     max_steps: int = 100
     threads_per_process: int = 1          # torch.set_num_threads in every node
     engine: str = "torch"
@@ -137,9 +146,28 @@ class SAOConfig:
                                     # learner idles while they generate). Admission control with
                                     # max_staleness 0, which this sets; needs admission_control
 
+    # --- dataset tasks (task=dataset; tasks/dataset.py, tasks/dataset_files.py, rewards/) --------
+    train_files: Tuple[str, ...] = ()     # .jsonl / .parquet files of training prompts (verl's schema)
+    eval_files: Tuple[str, ...] = ()      # held-out prompts, scored with the same reward
+    prompt_key: str = "prompt"            # the column with the prompt (string or chat messages)
+    answer_key: str = "reward_model.ground_truth"   # the ground-truth column; dots reach nested ones
+    apply_chat_template: Optional[bool] = None   # render prompts with the tokenizer's chat
+                                          # template; unset: when it has one
+    chat_template_kwargs: str = ""        # JSON object for the template, e.g. {"enable_thinking": false}
+    system_prompt: str = ""               # a system message before every prompt
+    instruction_suffix: str = ""          # appended to the last user message of every prompt
+    max_prompt_length: int = 0            # longer prompts are left out and counted; 0:
+                                          # max_sequence_length - max_new_tokens
+    shuffle: bool = True                  # a seeded permutation of the training rows per epoch
+    reward: str = "gsm8k"                 # gsm8k | exact | math_verify | path/to/file.py:fn (verl's
+                                          # compute_score(data_source, solution_str, ground_truth, extra_info))
+    reward_timeout_s: float = 5.0         # a reward call slower than this scores 0 (counted)
+    reward_workers: int = 2               # processes per node for math_verify and file:fn rewards
+
     # --- evaluation ------------------------------------------------------------------------------
     eval_every: int = 10
-    eval_size: int = 200
+    eval_size: int = 200                  # held-out prompts (dataset task: the first of eval_files)
+    eval_pass_k: int = 0                  # also report pass@k with k samples at --temperature; 0: off
 
     # --- scale-out, faults and security (issue 7: launch/ray.py, restarts in launch/local.py,
     #     learner/journal.py, actors/spool.py, variables/security.py) ----------------------------
@@ -170,9 +198,14 @@ class SAOConfig:
     def __post_init__(self):
         # Tuples from flags may arrive as lists.
         object.__setattr__(self, "critic_frozen_patterns", tuple(self.critic_frozen_patterns))
-        for field in ("ray_resources", "restart_groups"):   # issue 7
+        for field in ("ray_resources", "restart_groups", "train_files", "eval_files"):
             object.__setattr__(self, field, tuple(getattr(self, field)))
+        self._resolve_model()
         self._resolve_task_defaults()
+        object.__setattr__(self, "model", self.init_checkpoint)
+        if not self.max_prompt_length and self.max_sequence_length > self.max_new_tokens:
+            object.__setattr__(self, "max_prompt_length",
+                               self.max_sequence_length - self.max_new_tokens)
         self._resolve_lockstep()
         self.validate()
 
@@ -184,6 +217,19 @@ class SAOConfig:
             if getattr(self, field) in (0, ""):
                 object.__setattr__(self, field,
                                    self.actor_batch if value == "actor_batch" else value)
+
+    def _resolve_model(self) -> None:
+        """`model` and `init_checkpoint` name the same directory; both end up holding it (the
+        task's default when neither is given)."""
+        if self.model and self.init_checkpoint and self.model != self.init_checkpoint:
+            raise ConfigError(f"model={self.model!r} and init_checkpoint={self.init_checkpoint!r}"
+                              " name different directories; they are one setting: give --model")
+        object.__setattr__(self, "init_checkpoint", self.model or self.init_checkpoint)
+
+    @property
+    def template_kwargs(self) -> dict:
+        """chat_template_kwargs parsed (validate() has checked it is a JSON object)."""
+        return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
     # Convenience -----------------------------------------------------------------------------
     @property
@@ -272,6 +318,49 @@ class SAOConfig:
         self._validate_multi_turn(fail)
         self._validate_faults_and_scale_out(fail)
         self._validate_lockstep(fail)
+        self._validate_dataset(fail)
+
+    def _validate_dataset(self, fail) -> None:
+        """Checks of the model and dataset-task fields that need no file reading."""
+        if not self.model:
+            fail(f"task={self.task!r} has no default model: pass --model=DIR, a Hugging Face "
+                 "model directory (config.json, weights, tokenizer)")
+        if self.chat_template_kwargs:
+            try:
+                kwargs = json.loads(self.chat_template_kwargs)
+            except ValueError as e:
+                fail(f"chat_template_kwargs={self.chat_template_kwargs!r} is not JSON ({e}); "
+                     "give a JSON object, e.g. '{\"enable_thinking\": false}'")
+            if not isinstance(kwargs, dict):
+                fail(f"chat_template_kwargs={self.chat_template_kwargs!r}: must be a JSON object")
+        if self.max_prompt_length < 0 or self.max_prompt_length >= self.max_sequence_length:
+            fail(f"max_prompt_length={self.max_prompt_length}: must be in [1, "
+                 f"max_sequence_length={self.max_sequence_length}) so a response fits after it")
+        if not self.reward_timeout_s > 0:
+            fail(f"reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds")
+        if self.reward_workers < 1:
+            fail(f"reward_workers={self.reward_workers}: must be >= 1")
+        if self.eval_pass_k < 0 or self.eval_pass_k == 1:
+            fail(f"eval_pass_k={self.eval_pass_k}: must be 0 (off) or >= 2 samples per prompt")
+        if self.task != "dataset":
+            if self.train_files or self.eval_files:
+                fail(f"train_files / eval_files apply to --task=dataset (task={self.task!r}); "
+                     "add --task=dataset or drop them")
+            return
+        if not self.train_files:
+            fail("task='dataset' needs --train_files=a.parquet[,b.jsonl] (training prompts)")
+        if not self.eval_files:
+            fail("task='dataset' needs --eval_files=test.parquet (held-out prompts, scored with "
+                 "the same reward)")
+        for field in ("train_files", "eval_files"):
+            for path in getattr(self, field):
+                if not path.endswith((".jsonl", ".parquet")):
+                    fail(f"{field} entry {path!r}: must be a .jsonl or .parquet file")
+                import os
+                if not os.path.isfile(path):
+                    fail(f"{field} entry {path!r}: no such file")
+        if self.max_turns != 1:
+            fail(f"max_turns={self.max_turns}: dataset prompts are single-turn; drop --max_turns")
 
     def _resolve_lockstep(self) -> None:
         """lockstep=True sets max_staleness to 0 (issue 8); an explicit other value is an error."""

@@ -1,5 +1,6 @@
 """The small interfaces everything else composes (after Acme's core.py).
 
+Tokenizer    text <-> token ids for one model: BOS, stop ids, chat template, response decoding.
 Engine       generates tokens with per-token log-probs and policy versions.
 Task         hands out prompts and makes an Environment per episode; scores answers.
 Environment  one episode: takes the model's turn, answers with observation tokens and a reward.
@@ -11,6 +12,81 @@ from __future__ import annotations
 import abc
 import dataclasses
 from typing import Any, List, Optional, Sequence, Tuple
+
+
+class Tokenizer(abc.ABC):
+    """Text <-> token ids for one model. Every tokenizer-specific decision goes through here:
+    prompt encoding (BOS or not, chat template), the ids that end a model turn, and decoding a
+    completion for the reward. Conversations are kept as token ids; nothing is re-rendered.
+
+    `models.tokenizer.CharTokenizer` (the toy tasks) and `models.hf_tokenizer.HFTokenizer` (any
+    Hugging Face model directory) implement it.
+    """
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Ids [0, vocab_size) have a token. A model's embedding may have more rows (real Qwen
+        checkpoints pad it); ids at or beyond vocab_size are never sampled."""
+
+    @property
+    @abc.abstractmethod
+    def pad_id(self) -> int:
+        """The id that pads batches (never trained on: attention and action masks are 0)."""
+
+    @property
+    @abc.abstractmethod
+    def bos_id(self) -> Optional[int]:
+        """The beginning-of-sequence id `encode(add_bos=True)` prepends; None when the model
+        has none (Qwen)."""
+
+    @property
+    @abc.abstractmethod
+    def eos_id(self) -> int:
+        """The primary end-of-sequence id (the one a demonstration ends with)."""
+
+    @property
+    @abc.abstractmethod
+    def stop_ids(self) -> Tuple[int, ...]:
+        """Every id that ends a model turn: eos_id and the model's generation_config eos ids."""
+
+    @property
+    @abc.abstractmethod
+    def special_ids(self) -> frozenset:
+        """Ids of special tokens (skipped when decoding for a reward)."""
+
+    @abc.abstractmethod
+    def encode(self, text: str, add_bos: bool = True) -> List[int]:
+        """Token ids of `text`, preceded by bos_id when `add_bos` and the model has one.
+        Special-token strings inside `text` are not turned into special ids."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """The text of `ids`; special tokens dropped when `skip_special`."""
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether `apply_chat_template` can render conversations."""
+        return False
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            **template_kwargs) -> List[int]:
+        """Token ids of `messages` ([{"role", "content"}, ...]) rendered by the model's chat
+        template, ending with the assistant's turn header when `add_generation_prompt`.
+        `template_kwargs` reach the template (e.g. enable_thinking=False for Qwen3)."""
+        raise ValueError(f"{type(self).__name__} has no chat template: render prompts as plain "
+                         "text (apply_chat_template=False)")
+
+    def decode_response(self, ids: Sequence[int]) -> str:
+        """The text of one model turn as a reward sees it: the ids up to (not including) the
+        first stop id, special tokens skipped."""
+        stops = set(self.stop_ids)
+        out = []
+        for t in ids:
+            if int(t) in stops:
+                break
+            out.append(int(t))
+        return self.decode(out, skip_special=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +173,8 @@ class Task(abc.ABC):
     """A verifiable task: prompts for training and evaluation, and an environment per episode."""
 
     name: str = "task"
+    # The tokenizer prompts and observations are encoded with (the model's).
+    tokenizer: Optional[Tokenizer] = None
     # Token ids that end a turn of a multi-turn episode besides EOS (e.g. the "]" closing a tool
     # call): the engine stops there and the environment answers. () for single-turn tasks.
     turn_stop_token_ids: Tuple[int, ...] = ()
@@ -116,6 +194,9 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def is_correct(self, prompt: Prompt, completion_tokens: Sequence[int]) -> bool:
         """Whether a greedy single-turn completion solves the prompt (evaluation)."""
+
+    def close(self) -> None:
+        """Releases what the task holds (reward worker processes); called once, at the end."""
 
 
 class VariableSource(abc.ABC):

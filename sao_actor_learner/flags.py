@@ -15,7 +15,7 @@ def define_flags_from_dataclass(cls, flag_values=flags.FLAGS, skip=()) -> None:
         t = hints[f.name]
         default = f.default
         help_ = f"{cls.__name__}.{f.name}"
-        if t is bool:
+        if t is bool or t == typing.Optional[bool]:   # Optional: None until given
             flags.DEFINE_bool(f.name, default, help_, flag_values=flag_values)
         elif t is int:
             flags.DEFINE_integer(f.name, default, help_, flag_values=flag_values)

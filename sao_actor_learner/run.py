@@ -9,14 +9,7 @@ from typing import Dict, Optional
 
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.observers import read_metrics, write_json_atomic
-
-
-def check_init_checkpoint(config: SAOConfig) -> None:
-    if not os.path.exists(os.path.join(config.init_checkpoint, "config.json")):
-        raise ConfigError(
-            f"init_checkpoint={config.init_checkpoint!r} holds no Hugging Face checkpoint "
-            "(config.json missing); build the warm start with `make warm-start` or "
-            f"`python programs/sft.py --task={config.task} --out_dir={config.init_checkpoint}`")
+from sao_actor_learner.preflight import check_before_launch
 
 
 def _progress_line(config: SAOConfig, run_dir: str, t0: float) -> str:
@@ -35,7 +28,8 @@ def _progress_line(config: SAOConfig, run_dir: str, t0: float) -> str:
     return line + f" {time.time() - t0:.0f}s"
 
 
-def summarize(config: SAOConfig, run_dir: str, wall_time_s: float) -> Dict:
+def summarize(config: SAOConfig, run_dir: str, wall_time_s: float,
+              preflight: Optional[Dict] = None) -> Dict:
     train = read_metrics(run_dir, "train")
     evals = {r["policy_version"]: r["eval_accuracy"] for r in read_metrics(run_dir, "eval")}
     actors = []
@@ -79,8 +73,10 @@ def summarize(config: SAOConfig, run_dir: str, wall_time_s: float) -> Dict:
         "rollouts_rejected": rejected,
         "env_counters": env_counters,
         "max_staleness": config.max_staleness,
-        "restarts": _restarts(run_dir),   # issue 7: node -> restarts, from nodes.json
+        "restarts": _restarts(run_dir),   # node -> restarts, from nodes.json
     }
+    if preflight:
+        summary["preflight"] = preflight   # e.g. dataset rows and over-long prompts left out
     if summary["initial_eval_accuracy"] is not None and summary["final_eval_accuracy"] is not None:
         summary["eval_accuracy_gain"] = summary["final_eval_accuracy"] - summary["initial_eval_accuracy"]
     return summary
@@ -108,7 +104,7 @@ def run_program(config: SAOConfig, make_program, progress: bool = True,
     from sao_actor_learner import launch as lp
     from sao_actor_learner.builder import check_launch_security, launch_options, prepare_run_dir
 
-    check_init_checkpoint(config)
+    preflight = check_before_launch(config)
     check_launch_security(config)   # issue 7: a non-loopback bind needs an auth token
     run_dir = config.run_dir
     os.makedirs(run_dir, exist_ok=True)
@@ -138,6 +134,6 @@ def run_program(config: SAOConfig, make_program, progress: bool = True,
         launched.stop()
     if progress:
         sys.stdout.write("\r" + _progress_line(config, run_dir, t0) + "\n")
-    summary = summarize(config, run_dir, time.time() - t0)
+    summary = summarize(config, run_dir, time.time() - t0, preflight)
     write_json_atomic(os.path.join(run_dir, "summary.json"), summary)
     return summary

@@ -421,6 +421,12 @@ class Actor(core.Worker):
 
     def run(self) -> None:
         try:
+            self._run_and_deliver()
+        finally:
+            self._task.close()
+
+    def _run_and_deliver(self) -> None:
+        try:
             self._run()
         except BaseException:
             self._stop.set()   # ends the delivery thread's writes too (`_write` checks it)

@@ -1,4 +1,6 @@
-"""The evaluator node: greedy held-out accuracy of the latest policy every `eval_every` versions.
+"""The evaluator node: greedy held-out accuracy of the latest policy every `eval_every` versions,
+and optionally pass@k (k samples per prompt at the training temperature; a prompt passes when
+any sample is correct).
 
 Version 0 (the warm start) is evaluated from the checkpoint on disk at start-up, so the
 initial accuracy never depends on timing; the final version (`max_steps`) is always evaluated,
@@ -39,11 +41,25 @@ def evaluate(engine: core.Engine, task: core.Task, prompts: List[core.Prompt],
     return correct / max(len(prompts), 1)
 
 
+def pass_at_k(engine: core.Engine, task: core.Task, prompts: List[core.Prompt],
+              params: core.SamplingParams, k: int, batch_size: int = 64) -> float:
+    """Fraction of single-turn `prompts` for which at least one of k samples is correct."""
+    passed = 0
+    per_call = max(1, batch_size // k)
+    for i in range(0, len(prompts), per_call):
+        chunk = prompts[i:i + per_call]
+        gens = engine.generate([p.token_ids for p in chunk for _ in range(k)], params)
+        for j, p in enumerate(chunk):
+            passed += any(task.is_correct(p, g.tokens) for g in gens[j * k:(j + 1) * k])
+    return passed / max(len(prompts), 1)
+
+
 class Evaluator(core.Worker):
     def __init__(self, task: core.Task, engine: core.Engine, variables,
                  decode: Callable[[bytes], dict], params: core.SamplingParams, eval_every: int,
                  max_steps: int, logger=None, max_turns: int = 1,
-                 max_total_tokens: int = 1 << 30, env_threads: int = 1):
+                 max_total_tokens: int = 1 << 30, env_threads: int = 1, pass_k: int = 0,
+                 sample_params: Optional[core.SamplingParams] = None):
         self._task = task
         self._engine = engine
         self._variables = variables
@@ -55,6 +71,10 @@ class Evaluator(core.Worker):
         self._episode_limits = dict(max_turns=max_turns, max_total_tokens=max_total_tokens,
                                     env_threads=env_threads)  # multi-turn tasks (issue 3)
         self._prompts = task.eval_prompts()
+        if pass_k and (sample_params is None or max_turns > 1):
+            raise ValueError("pass_k needs sample_params and a single-turn task (max_turns=1)")
+        self._pass_k = pass_k
+        self._sample_params = sample_params
         self._stop = threading.Event()
         self.results: Dict[int, float] = {}
 
@@ -66,12 +86,16 @@ class Evaluator(core.Worker):
         acc = evaluate(self._engine, self._task, self._prompts, self._params,
                        **self._episode_limits)
         v = self._engine.version
+        row = {"kind": "eval", "step": v, "policy_version": v, "eval_accuracy": acc,
+               "eval_size": len(self._prompts)}
+        if self._pass_k:
+            row[f"eval_pass_at_{self._pass_k}"] = pass_at_k(
+                self._engine, self._task, self._prompts, self._sample_params, self._pass_k)
+        row["eval_time_s"] = time.time() - t0
         self.results[v] = acc
-        logging.info("eval: version %d accuracy %.3f (%.1fs)", v, acc, time.time() - t0)
+        logging.info("eval: version %d accuracy %.3f (%.1fs)", v, acc, row["eval_time_s"])
         if self._logger is not None:
-            self._logger.write({"kind": "eval", "step": v, "policy_version": v,
-                                "eval_accuracy": acc, "eval_size": len(self._prompts),
-                                "eval_time_s": time.time() - t0})
+            self._logger.write(row)
         return acc
 
     def _due(self, version: int) -> bool:
@@ -83,6 +107,12 @@ class Evaluator(core.Worker):
         return self._eval_every > 0 and version // self._eval_every > last // self._eval_every
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._task.close()
+
+    def _run(self) -> None:
         self._evaluate_current()  # version 0, the checkpoint the engine was built from
         while not self._stop.is_set() and self._max_steps not in self.results:
             self._variables.update()

@@ -111,7 +111,7 @@ def run_episodes(engine: core.Engine, task: core.Task, prompts: Sequence[core.Pr
         raise ValueError(f"env_threads={env_threads}: must be >= 1 (1 steps inline)")
     extra_stop = tuple(int(t) for t in task.turn_stop_token_ids)
     stop = tuple(sorted(set(params.stop_token_ids) | set(extra_stop)))
-    vocab_size = getattr(getattr(task, "tokenizer", None), "vocab_size", None)
+    vocab_size = task.tokenizer.vocab_size if task.tokenizer is not None else None
     now = time.time()
     episodes = [
         _Episode(prompt=p, env=task.make_environment(p), tokens=list(p.token_ids),

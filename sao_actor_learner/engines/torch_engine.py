@@ -9,7 +9,9 @@ Log-probs (what `Generation.logprobs` holds, the behaviour policy):
   temperature > 0, top_p = 1:  log_softmax(logits / temperature)[token]  (T=1: the raw model)
   temperature > 0, top_p < 1:  the same, renormalised over the nucleus the token was drawn from
   temperature = 0 (greedy):    log_softmax(logits)[argmax]  (the raw model distribution)
-They are computed in float32 whatever the model dtype.
+They are computed in float32 whatever the model dtype. With `token_limit` (a vocabulary padded
+past the tokenizer, as real Qwen checkpoints have) the logits of ids >= token_limit are -inf
+before anything else, so those ids are never sampled and the log-probs are over real tokens.
 
 Sampling is deterministic given `SamplingParams.seed`, the prompts and `max_batch_size` (one
 torch.Generator drives every draw of a `generate` call; seed=None draws a fresh random seed).
@@ -25,17 +27,29 @@ import torch
 from absl import logging
 
 from sao_actor_learner import core
-from sao_actor_learner.models.checkpoint import check_compatible, load_policy
+from sao_actor_learner.models.checkpoint import load_policy, load_sync_state_dict, token_limit
 
 
 class TorchEngine(core.Engine):
-    """`core.Engine` over an in-process torch model (HF LlamaForCausalLM, Qwen3MoeForCausalLM)."""
+    """`core.Engine` over an in-process Hugging Face causal LM (Llama, Qwen2/3, Qwen3-MoE, ...).
+
+    Args:
+      model: the causal LM (eval mode is set).
+      eos_token_id, pad_token_id: always a stop id; the id that pads prompt batches.
+      version: the policy version of the model's weights.
+      max_batch_size: prompts per forward batch.
+      token_limit: only ids < token_limit are sampled (None: every row of the LM head).
+    """
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
-                 version: int = 0, max_batch_size: int = 64):
+                 version: int = 0, max_batch_size: int = 64, token_limit: Optional[int] = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
-        vocab = model.get_input_embeddings().weight.shape[0]
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if token_limit is not None and not 0 < token_limit <= vocab:
+            raise ValueError(f"token_limit={token_limit}: must be in [1, {vocab}]")
+        if token_limit is not None:
+            vocab = int(token_limit)
         for name, tid in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
             if not 0 <= int(tid) < vocab:
                 raise ValueError(f"{name}={tid} is outside the model's vocabulary [0, {vocab})")
@@ -45,6 +59,8 @@ class TorchEngine(core.Engine):
         self._version = int(version)
         self._max_batch_size = int(max_batch_size)
         self._vocab = vocab
+        rows = model.get_output_embeddings().weight.shape[0]
+        self._token_limit = vocab if vocab < rows else None
         self._lock = threading.Lock()
         forward_args = inspect.signature(model.forward).parameters
         # transformers >= 5.2x calls the KV cache `cache`; older releases `past_key_values`.
@@ -58,7 +74,8 @@ class TorchEngine(core.Engine):
         """An engine on the checkpoint folder `path` (see models.checkpoint); `.tokenizer` is set."""
         model, tokenizer = load_policy(path, dtype=dtype)
         engine = cls(model, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
-                     version=version, max_batch_size=max_batch_size)
+                     version=version, max_batch_size=max_batch_size,
+                     token_limit=token_limit(model, tokenizer))
         engine.tokenizer = tokenizer
         return engine
 
@@ -72,10 +89,10 @@ class TorchEngine(core.Engine):
         return self._model
 
     def load_weights(self, state_dict: dict, version: int) -> None:
-        """Validates `state_dict` against the model (names, shapes, dtypes), loads it strictly."""
-        check_compatible(self._model.state_dict(), state_dict)
+        """Validates `state_dict` against the model's sync state dict (names, shapes, dtypes;
+        models.checkpoint.sync_state_dict) and loads it; nothing is loaded when it differs."""
         with self._lock, torch.no_grad():
-            self._model.load_state_dict(state_dict, strict=True)
+            load_sync_state_dict(self._model, state_dict)
             self._version = int(version)
         logging.log_every_n_seconds(logging.INFO, "TorchEngine: now on policy version %d", 30,
                                     self._version)
@@ -124,6 +141,8 @@ class TorchEngine(core.Engine):
         out = self._model(input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=position_ids, use_cache=True, **kwargs)
         logits = out.logits[:, -1, :].float()  # [B, V]
+        if self._token_limit is not None:
+            logits = logits[:, :self._token_limit]   # ids past the tokenizer: never sampled
         if not torch.isfinite(logits).all():
             raise FloatingPointError(
                 f"TorchEngine (policy version {self._version}): the model produced non-finite "

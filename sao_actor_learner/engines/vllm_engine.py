@@ -400,10 +400,11 @@ class VLLMEngine(core.Engine):
 
     @classmethod
     def from_checkpoint(cls, path: str, version: int = 0, **kwargs) -> "VLLMEngine":
-        """An engine serving the checkpoint folder `path`; `.tokenizer` is its CharTokenizer."""
-        from sao_actor_learner.models.tokenizer import CharTokenizer
+        """An engine serving the model directory `path`; `.tokenizer` is its tokenizer
+        (models.checkpoint.load_tokenizer)."""
+        from sao_actor_learner.models.checkpoint import load_tokenizer
 
-        tokenizer = CharTokenizer.load(path)
+        tokenizer = load_tokenizer(path)
         engine = cls(path, eos_token_id=tokenizer.eos_id, version=version, **kwargs)
         engine.tokenizer = tokenizer
         return engine

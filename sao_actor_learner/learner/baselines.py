@@ -129,10 +129,11 @@ class CriticFreeLearner(SAOLearner):
     """
 
     def __init__(self, config: SAOConfig, policy: torch.nn.Module, reader=None, publisher=None,
-                 serialize=None, logger=None, checkpoint_fn=None, pad_id: int = 0):
+                 serialize=None, logger=None, checkpoint_fn=None, pad_id: int = 0,
+                 token_limit=None):
         super().__init__(config, policy, None, reader=reader, publisher=publisher,
                          serialize=serialize, logger=logger, checkpoint_fn=checkpoint_fn,
-                         pad_id=pad_id)
+                         pad_id=pad_id, token_limit=token_limit)
         self.baseline = make_baseline(config.baseline, config.baseline_decay)
 
     def compute_advantages(self, batch: Batch) -> Dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ from sao_actor_learner import core, kernels
 from sao_actor_learner.config import SAOConfig
 from sao_actor_learner.learner import advantages as adv_lib
 from sao_actor_learner.learner import losses, minibatches
+from sao_actor_learner.models.checkpoint import sync_state_dict
 from sao_actor_learner.models.value import base_model_of
 from sao_actor_learner.types import Batch, Rollout, collate
 
@@ -56,12 +57,17 @@ class SAOLearner(core.Worker, core.VariableSource):
       serialize: state_dict -> bytes for the publisher.
       logger: something with `write(dict)`; None: no logging.
       checkpoint_fn: called as checkpoint_fn(learner, step) to save; None: no checkpoints.
+      pad_id: the id padding batches.
+      token_limit: log-probs are over the LM head's first token_limit rows (the ids the
+        tokenizer has; engines never sample the others); None: all rows.
     """
 
     def __init__(self, config: SAOConfig, policy: torch.nn.Module, critic: torch.nn.Module,
                  reader=None, publisher=None, serialize: Optional[Callable[[dict], bytes]] = None,
-                 logger=None, checkpoint_fn=None, pad_id: int = 0):
+                 logger=None, checkpoint_fn=None, pad_id: int = 0,
+                 token_limit: Optional[int] = None):
         self.config = config
+        self._token_limit = token_limit
         self.policy = policy
         self.critic = critic
         self._reader = reader
@@ -89,7 +95,7 @@ class SAOLearner(core.Worker, core.VariableSource):
 
     # --- core interfaces ------------------------------------------------------------------------
     def get_variables(self) -> Tuple[int, dict]:
-        return self.version, self.policy.state_dict()
+        return self.version, sync_state_dict(self.policy)
 
     # --- checkpoints and resuming (issue 7) -----------------------------------------------------
     # Attributes in which subclasses keep training state between steps (the critic-free
@@ -175,11 +181,15 @@ class SAOLearner(core.Worker, core.VariableSource):
         if cfg.fused_logprobs and getattr(head, "bias", None) is None:
             body = base_model_of(self.policy)
             hidden = body(input_ids=batch.tokens, attention_mask=batch.attention_mask).last_hidden_state
-            picked = kernels.fused_logprobs(hidden[:, :-1], head.weight, batch.tokens[:, 1:],
+            weight = head.weight if self._token_limit is None else \
+                head.weight[:self._token_limit]
+            picked = kernels.fused_logprobs(hidden[:, :-1], weight, batch.tokens[:, 1:],
                                             temperature=cfg.temperature,
                                             backend=cfg.kernel_backend)
             return torch.cat([torch.zeros_like(picked[:, :1]), picked.float()], dim=1)
         logits = self.policy(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
+        if self._token_limit is not None:
+            logits = logits[..., :self._token_limit]
         return losses.token_logprobs(logits, batch.tokens, cfg.temperature)
 
     def policy_update(self, batch: Batch, advantages: torch.Tensor) -> Dict[str, float]:
@@ -290,7 +300,7 @@ class SAOLearner(core.Worker, core.VariableSource):
     def publish(self) -> None:
         if self._publisher is None:
             return
-        payload = self._serialize(self.policy.state_dict())
+        payload = self._serialize(sync_state_dict(self.policy))
         try:
             self._publisher.publish(self.version, payload,
                                     dropped_total=self.dropped_stale + self.pretrain_consumed)

@@ -1,17 +1,21 @@
-"""Checkpoint folders and weight bytes.
+"""Model directories, checkpoint folders and weight bytes.
 
-A checkpoint folder is what `save_pretrained` writes (config.json, generation_config.json,
-model.safetensors) plus our `char_tokenizer.json` and the Hugging Face fast tokenizer files
-(tokenizer.json, tokenizer_config.json), so the same folder loads here (`load_policy`), with
-`AutoModelForCausalLM` / `AutoTokenizer`, and in vLLM.
+A model directory is any Hugging Face causal-LM folder: config.json, safetensors (or .bin)
+weights, tokenizer files, optionally generation_config.json and a chat template. `load_policy`
+loads one with `AutoModelForCausalLM` and its tokenizer (`load_tokenizer`): the char tokenizer
+when the folder has our `char_tokenizer.json` (the toy tasks' checkpoints), else `HFTokenizer`.
+`check_model_dir` says, before anything starts, what a folder lacks. `save_checkpoint` writes a
+folder that loads the same way here, with `AutoModelForCausalLM` / `AutoTokenizer`, and in vLLM.
 
-Weights travel between processes as safetensors bytes of a state dict with Hugging Face names
-(`state_dict_to_bytes` / `bytes_to_state_dict`). Without copies of gigabytes (issue 8,
-BENCHMARKS.md section 4): `state_dict_to_buffers` gives the same payload as a header plus views of
-the tensors (the variable publisher streams them as they are), and `bytes_to_state_dict_views`
-decodes into tensors that view the payload. `check_compatible` validates a new state dict
-against a reference one before anything is loaded: a failed load half way would leave an engine
-with mixed weights.
+Weights travel between processes as safetensors bytes of the *sync state dict*
+(`sync_state_dict`): the model's state dict without the names of tied parameters (with tied
+input/output embeddings, `lm_head.weight` is `embed_tokens.weight`; safetensors refuses shared
+tensors and a checkpoint does not store it, so neither do we). `load_sync_state_dict` loads one
+back. Without copies of gigabytes: `state_dict_to_buffers` gives the payload as a header plus views
+of the tensors (the variable publisher streams them as they are), and
+`bytes_to_state_dict_views` decodes into tensors that view the payload. `check_compatible`
+validates a new state dict against a reference one before anything is loaded: a failed load
+half way would leave an engine with mixed weights.
 
 No reverb, tensorflow or grpc here (the GPU kernel machine has neither).
 """
@@ -22,17 +26,39 @@ import json
 import os
 import struct
 import warnings
-from typing import Dict, Iterator, List, Mapping, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 import torch
 
+from sao_actor_learner import core
+from sao_actor_learner.models.hf_tokenizer import HFTokenizer, make_tokenizer_config_portable
+from sao_actor_learner.models.model_dir import (CHAR_TOKENIZER_FILE, ModelDirError,
+                                                check_model_dir)
 from sao_actor_learner.models.tokenizer import CharTokenizer
 
-HF_TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # the name transformers 4.x and 5.x both resolve
+def load_tokenizer(path: str) -> core.Tokenizer:
+    """The tokenizer of a model directory: CharTokenizer for folders with char_tokenizer.json,
+    else the directory's Hugging Face tokenizer (HFTokenizer)."""
+    if os.path.exists(os.path.join(path, CHAR_TOKENIZER_FILE)):
+        return CharTokenizer.load(path)
+    return HFTokenizer.from_pretrained(path)
 
 
-def save_checkpoint(model: torch.nn.Module, tokenizer: CharTokenizer, path: str) -> str:
-    """Writes `model` (safetensors) and `tokenizer` (ours + Hugging Face fast) into `path`."""
+def save_tokenizer(tokenizer: core.Tokenizer, path: str) -> None:
+    """Writes `tokenizer` into the folder `path` so `load_tokenizer(path)` returns it."""
+    if isinstance(tokenizer, CharTokenizer):
+        tokenizer.to_hf().save_pretrained(path)
+        tokenizer.save(path)
+    elif isinstance(tokenizer, HFTokenizer):
+        tokenizer.save(path)
+    else:
+        raise TypeError(f"cannot save a {type(tokenizer).__name__}; save_checkpoint writes "
+                        "CharTokenizer and HFTokenizer")
+    make_tokenizer_config_portable(path)
+
+
+def save_checkpoint(model: torch.nn.Module, tokenizer: core.Tokenizer, path: str) -> str:
+    """Writes `model` (safetensors, tied weights once) and `tokenizer` into `path`."""
     os.makedirs(path, exist_ok=True)
     vocab = model.get_input_embeddings().weight.shape[0]
     if vocab < tokenizer.vocab_size:
@@ -40,32 +66,67 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: CharTokenizer, path: str)
                          "the model cannot embed every token; build it with the tokenizer's size")
     with _no_progress_bars():
         model.save_pretrained(path, safe_serialization=True)
-        tokenizer.to_hf().save_pretrained(path)
-    tokenizer.save(path)
-    # transformers 5 writes tokenizer_class "TokenizersBackend", unknown to transformers 4.x (which
-    # a vLLM environment may carry); "PreTrainedTokenizerFast" loads in both.
-    cfg_path = os.path.join(path, "tokenizer_config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["tokenizer_class"] = HF_TOKENIZER_CLASS
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
+    save_tokenizer(tokenizer, path)
     return path
 
 
-def load_policy(path: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, CharTokenizer]:
-    """(model in eval mode, CharTokenizer) from a folder written by `save_checkpoint`."""
+def load_policy(path: str, dtype: torch.dtype = torch.float32
+                ) -> Tuple[torch.nn.Module, core.Tokenizer]:
+    """(model in eval mode, tokenizer) from a model directory (`check_model_dir`)."""
     from transformers import AutoModelForCausalLM
 
-    if not os.path.exists(os.path.join(path, "config.json")):
-        raise FileNotFoundError(
-            f"no config.json in {path!r}: not a checkpoint folder; write one with "
-            "save_checkpoint (programs/sft.py --out_dir=... does)")
+    try:
+        check_model_dir(path, flag="model directory")
+    except ModelDirError as e:
+        raise FileNotFoundError(str(e)) from None
     with _no_progress_bars():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.eval()
-    tokenizer = CharTokenizer.load(path)
-    return model, tokenizer
+    return model, load_tokenizer(path)
+
+
+def token_limit(model: torch.nn.Module, tokenizer: core.Tokenizer) -> Optional[int]:
+    """How many leading rows of the LM head are real tokens: tokenizer.vocab_size when the
+    embedding has more rows (padded vocabularies), else None (every row is a token)."""
+    rows = model.get_output_embeddings().weight.shape[0]
+    if tokenizer.vocab_size > rows:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
+                         f"{rows} output rows: they do not belong together")
+    return tokenizer.vocab_size if tokenizer.vocab_size < rows else None
+
+
+def tied_parameter_names(model: torch.nn.Module) -> Set[str]:
+    """State-dict names whose tensor is the same storage as an earlier name's (tied weights,
+    e.g. lm_head.weight with tie_word_embeddings)."""
+    seen: Dict[Tuple[int, int, Tuple[int, ...]], str] = {}
+    tied = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        key = (t.data_ptr(), t.storage_offset(), tuple(t.shape))
+        if t.numel() and key in seen:
+            tied.add(name)
+        else:
+            seen.setdefault(key, name)
+    return tied
+
+
+def sync_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The state dict that weight sync sends: the model's, tied duplicates left out (their
+    names are the ones a saved checkpoint leaves out too)."""
+    tied = tied_parameter_names(model)
+    return {k: v for k, v in model.state_dict().items() if k not in tied}
+
+
+def load_sync_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Validates `state_dict` against `sync_state_dict(model)` (names, shapes, dtypes; raises
+    ValueError naming every difference, nothing loaded) and copies it into the model; tied
+    parameters follow the parameter they are tied to."""
+    reference = sync_state_dict(model)
+    check_compatible(reference, state_dict)
+    missing, unexpected = model.load_state_dict(dict(state_dict), strict=False)
+    tied = tied_parameter_names(model)
+    if set(missing) - tied or unexpected:   # cannot happen after check_compatible
+        raise ValueError(f"load_state_dict: missing {sorted(set(missing) - tied)}, "
+                         f"unexpected {sorted(unexpected)}")
 
 
 # safetensors dtype names (https://github.com/huggingface/safetensors, format description).

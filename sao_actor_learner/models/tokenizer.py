@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Iterable, List, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from sao_actor_learner import core
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
@@ -29,8 +31,8 @@ DEFAULT_ALPHABET = (
 _FILE_NAME = "char_tokenizer.json"
 
 
-class CharTokenizer:
-    """One id per character of `alphabet`, after <pad>=0, <bos>=1, <eos>=2."""
+class CharTokenizer(core.Tokenizer):
+    """One id per character of `alphabet`, after <pad>=0, <bos>=1, <eos>=2 (a core.Tokenizer)."""
 
     def __init__(self, alphabet: str = DEFAULT_ALPHABET):
         if len(set(alphabet)) != len(alphabet):
@@ -50,12 +52,16 @@ class CharTokenizer:
         return 0
 
     @property
-    def bos_id(self) -> int:
+    def bos_id(self) -> Optional[int]:
         return 1
 
     @property
     def eos_id(self) -> int:
         return 2
+
+    @property
+    def stop_ids(self) -> Tuple[int, ...]:
+        return (self.eos_id,)
 
     @property
     def special_ids(self) -> frozenset:
@@ -149,9 +155,7 @@ class CharTokenizer:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 
-def decode_until_eos(tokenizer: CharTokenizer, ids: Sequence[int]) -> str:
-    """The text of `ids` up to (not including) the first <eos>, special tokens dropped."""
-    ids = list(ids)
-    if tokenizer.eos_id in ids:
-        ids = ids[:ids.index(tokenizer.eos_id)]
-    return tokenizer.decode(ids, skip_special=True)
+def decode_until_eos(tokenizer: core.Tokenizer, ids: Sequence[int]) -> str:
+    """The text of `ids` up to (not including) the first stop id, special tokens dropped
+    (`tokenizer.decode_response`)."""
+    return tokenizer.decode_response(ids)

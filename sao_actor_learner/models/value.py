@@ -2,14 +2,25 @@
 
 SAO.md section 4: a separate network, initialised from the policy (or a value-pretraining)
 checkpoint; during RL only the MLP / MoE expert projections and the value head are trained.
-Which parameters stay frozen is a list of name patterns (config `critic_frozen_patterns`).
+Which parameters stay frozen is a list of name patterns (config `critic_frozen_patterns`,
+regexes searched in the body's parameter names). The default patterns (`self_attn`,
+`embed_tokens`, `norm`) mean the same thing in Llama, Qwen2, Qwen3 and Qwen3-MoE, whose bodies
+name attention `layers.N.self_attn.{q,k,v,o}_proj` (Qwen3 adds `self_attn.{q,k}_norm`), norms
+`*_layernorm` and `norm`, and the MLP `mlp.*` (`mlp.experts.*` / `mlp.gate` in MoE layers).
+
+A critic directory (`ValueModel.save`) holds the body as a Hugging Face model (config.json +
+safetensors, loadable with AutoModel) and `value_head.safetensors`; `ValueModel.load` reads one,
+or builds a fresh critic (zero head) from a causal-LM directory.
 No reverb, tensorflow or grpc here.
 """
 from __future__ import annotations
 
 import copy
+import os
 import re
 from typing import Iterable, List, Sequence
+
+VALUE_HEAD_FILE = "value_head.safetensors"
 
 import torch
 from torch import nn
@@ -45,6 +56,31 @@ class ValueModel(nn.Module):
         body = copy.deepcopy(base_model_of(policy))
         return cls(body, policy.config.hidden_size)
 
+    @classmethod
+    def load(cls, path: str, dtype: torch.dtype = torch.float32) -> "ValueModel":
+        """The critic in `path`: a critic directory (body + value head, `save`), or a causal-LM
+        directory whose body starts a fresh critic with a zero head."""
+        from safetensors.torch import load_file
+        from transformers import AutoModel, AutoModelForCausalLM
+
+        if os.path.exists(os.path.join(path, VALUE_HEAD_FILE)):
+            body = AutoModel.from_pretrained(path, dtype=dtype, local_files_only=True)
+            critic = cls(body, body.config.hidden_size)
+            critic.head.load_state_dict(load_file(os.path.join(path, VALUE_HEAD_FILE)))
+            return critic
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        return cls(base_model_of(policy), policy.config.hidden_size)
+
+    def save(self, path: str) -> str:
+        """Writes a critic directory `ValueModel.load` reads back."""
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        self.body.save_pretrained(path, safe_serialization=True)
+        save_file({k: v.detach().contiguous() for k, v in self.head.state_dict().items()},
+                  os.path.join(path, VALUE_HEAD_FILE))
+        return path
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
@@ -60,18 +96,48 @@ class ValueModel(nn.Module):
         The head is never frozen. Returns the frozen names. Raises if a pattern matches nothing
         (a typo would otherwise silently train attention).
         """
-        frozen, used = [], set()
-        for name, p in self.body.named_parameters():
-            hits = [pat for pat in patterns if re.search(pat, name)]
-            if hits:
-                p.requires_grad_(False)
-                frozen.append(name)
-                used.update(hits)
-        unused = [p for p in patterns if p not in used]
-        if unused:
-            raise ValueError(f"critic_frozen_patterns {unused} match no critic parameter; "
-                             f"names look like {[n for n, _ in self.body.named_parameters()][:4]}")
+        params = dict(self.body.named_parameters())
+        frozen = match_frozen_patterns(patterns, list(params))
+        for name in frozen:
+            params[name].requires_grad_(False)
         return frozen
 
     def trainable_parameters(self) -> Iterable[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
+
+
+def match_frozen_patterns(patterns: Sequence[str], names: Sequence[str]) -> List[str]:
+    """The names any regex of `patterns` matches (re.search). Raises ValueError naming every
+    pattern that matches nothing (a typo would otherwise silently train attention) or is not a
+    valid regex."""
+    matched, used = [], set()
+    for pat in patterns:
+        try:
+            re.compile(pat)
+        except re.error as e:
+            raise ValueError(f"critic_frozen_patterns entry {pat!r} is not a regex: {e}") from None
+    for name in names:
+        hits = [pat for pat in patterns if re.search(pat, name)]
+        if hits:
+            matched.append(name)
+            used.update(hits)
+    unused = [p for p in patterns if p not in used]
+    if unused:
+        raise ValueError(f"critic_frozen_patterns {unused} match no critic parameter; the "
+                         f"critic's parameters are named like {list(names)[:6]}: fix or drop "
+                         "those patterns")
+    return matched
+
+
+def critic_parameter_names(path: str) -> List[str]:
+    """The critic body's parameter names for the model (or critic) directory `path`, from its
+    config alone (the model is built on the meta device: no weights are read)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        if os.path.exists(os.path.join(path, VALUE_HEAD_FILE)):
+            body = AutoModel.from_config(config)
+        else:
+            body = base_model_of(AutoModelForCausalLM.from_config(config))
+    return [n for n, _ in body.named_parameters()]

@@ -140,7 +140,11 @@ class CalculatorToolTask(core.Task):
                                             timeout_s=tool_timeout_s,
                                             max_result_chars=max_result_chars, **kwargs)
         # The model's "]" ends a tool-call turn (run_episodes adds these to the stop tokens).
-        self.turn_stop_token_ids = (self.tokenizer.token_id(tools.TOOL_CALL_CLOSE),)
+        close = self.tokenizer.encode(tools.TOOL_CALL_CLOSE, add_bos=False)
+        if len(close) != 1:
+            raise ValueError(f"the tokenizer encodes {tools.TOOL_CALL_CLOSE!r} as {close}; the "
+                             "calculator task needs it to be one token (it ends a tool call)")
+        self.turn_stop_token_ids = (close[0],)
         self._threshold = int(round(eval_fraction * _HASH_BUCKETS))
         self._ids = itertools.count(prompt_id_offset, prompt_id_stride)
         self._ids_lock = threading.Lock()

@@ -1,0 +1,131 @@
+"""Checks that run before a program launches, so bad input fails before any node starts.
+
+`check_before_launch(config)` runs in the launcher process. Its cheap part needs only the file
+system: the model (and critic) directory has a config, weights and a tokenizer. Checks that
+need the model's tokenizer or architecture (which import torch and transformers, ~300 MB the
+launcher would keep for the whole run) run in a short-lived subprocess (`python -m
+sao_actor_learner.preflight`, the config as JSON on stdin):
+  - the critic's frozen-parameter patterns each match a parameter of the critic's body;
+  - the tokenizer fits the model (no more ids than the model has rows);
+  - task=dataset: the reward spec imports with the right signature, every dataset row is
+    well-formed, prompts render (chat template) and fit max_prompt_length (over-long ones are
+    counted; none left is an error).
+The subprocess runs only when such a check applies: a dataset task, a model directory that is
+not one of this project's char-level checkpoints (their architecture is the factory's, whose
+names the default patterns are tested against), a critic directory, or non-default patterns.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Dict
+
+from sao_actor_learner.config import ConfigError, SAOConfig
+from sao_actor_learner.models.model_dir import (CHAR_TOKENIZER_FILE, ModelDirError,
+                                                check_model_dir)
+
+DEFAULT_FROZEN_PATTERNS = SAOConfig.__dataclass_fields__["critic_frozen_patterns"].default
+
+
+def _model_hint(config: SAOConfig) -> str:
+    if config.task in ("arithmetic", "calculator_tool", "online_shift"):
+        return (f" (build the warm start with `make warm-start` or `python programs/sft.py "
+                f"--task={config.task} --out_dir={config.model}`)")
+    return ""
+
+
+def needs_model_checks(config: SAOConfig) -> bool:
+    """Whether the subprocess checks apply (see the module docstring)."""
+    char_checkpoint = os.path.exists(os.path.join(config.model, CHAR_TOKENIZER_FILE))
+    return (config.task == "dataset" or not char_checkpoint or bool(config.critic_model) or
+            (config.algorithm == "sao" and
+             tuple(config.critic_frozen_patterns) != tuple(DEFAULT_FROZEN_PATTERNS)))
+
+
+def check_before_launch(config: SAOConfig) -> Dict:
+    """Raises ConfigError naming what to change; returns what the checks measured (dataset
+    row counts, over-long prompts left out)."""
+    try:
+        check_model_dir(config.model, "--model")
+    except ModelDirError as e:
+        raise ConfigError(str(e) + _model_hint(config)) from None
+    if config.critic_model and not os.path.isdir(config.critic_model):
+        raise ConfigError(f"--critic_model={config.critic_model!r} is not a directory (a critic "
+                          "directory written by ValueModel.save, or a causal-LM directory)")
+    if not needs_model_checks(config):
+        return {}
+    proc = subprocess.run([sys.executable, "-m", "sao_actor_learner.preflight"],
+                          input=config.to_json(), capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                               "OMP_NUM_THREADS": "1"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        raise ConfigError(f"the pre-launch checks crashed (exit {proc.returncode}):\n"
+                          f"{proc.stderr[-3000:]}")
+    reply = json.loads(lines[-1])
+    if "error" in reply:
+        raise ConfigError(reply["error"])
+    return reply["stats"]
+
+
+def model_checks(config: SAOConfig) -> Dict:
+    """The checks that need torch and transformers (run by the subprocess)."""
+    from sao_actor_learner.models.checkpoint import load_tokenizer
+    from sao_actor_learner.models.value import critic_parameter_names, match_frozen_patterns
+
+    stats: Dict = {}
+    try:
+        tokenizer = load_tokenizer(config.model)
+    except Exception as e:
+        raise ConfigError(f"--model={config.model!r}: its tokenizer does not load ({e})") from None
+    with open(os.path.join(config.model, "config.json")) as f:
+        rows = json.load(f).get("vocab_size")
+    if isinstance(rows, int) and tokenizer.vocab_size > rows:
+        raise ConfigError(f"--model={config.model!r}: the tokenizer has {tokenizer.vocab_size} "
+                          f"ids but config.json's vocab_size is {rows}: they do not belong "
+                          "together")
+    stats["tokenizer_vocab_size"] = tokenizer.vocab_size
+    if config.algorithm == "sao":
+        source = config.critic_model or config.model
+        try:
+            match_frozen_patterns(config.critic_frozen_patterns, critic_parameter_names(source))
+        except ValueError as e:
+            raise ConfigError(f"{e} (critic from {source!r}; --critic_frozen_patterns)") from None
+    if config.task == "dataset":
+        stats.update(dataset_checks(config, tokenizer))
+    return stats
+
+
+def dataset_checks(config: SAOConfig, tokenizer) -> Dict:
+    """Builds the dataset task once (every row read, checked and rendered); its counts."""
+    from sao_actor_learner.builder import make_dataset_task
+    from sao_actor_learner.rewards import check_reward_spec
+    from sao_actor_learner.tasks.dataset_files import DatasetError
+
+    try:
+        check_reward_spec(config.reward)
+    except ValueError as e:
+        raise ConfigError(f"--reward={config.reward!r}: {e}") from None
+    try:
+        task = make_dataset_task(config, tokenizer)
+    except (DatasetError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return dict(task.stats)
+    finally:
+        task.close()
+
+
+def main() -> int:
+    config = SAOConfig.from_json(sys.stdin.read())
+    try:
+        print(json.dumps({"stats": model_checks(config)}))
+    except ConfigError as e:
+        print(json.dumps({"error": str(e)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""A task made of dataset files: prompts from JSONL/parquet rows, scored by a reward function.
+
+Prompts. Each row's prompt (a string, or chat messages) is rendered once into token ids by
+`PromptRenderer`: with the model's chat template (`apply_chat_template`, default when the
+tokenizer has one; `chat_template_kwargs` reach the template, e.g. {"enable_thinking": false}),
+or as plain text preceded by BOS when the model has one. An optional system prompt is put first
+and an optional instruction suffix is appended to the last user message (or to a string prompt).
+Prompts longer than `max_prompt_length` tokens are left out and counted (`filtered_long`).
+
+Order. Training prompts come as one stream over epochs: epoch e is a permutation of the training
+rows seeded by (seed, e) (or file order with shuffle=False). Stream position k is prompt k of the
+run; actor i of N takes positions i, i+N, i+2N, ... (prompt_id_offset / prompt_id_stride), and
+prompt_id = k, so ids never repeat across actors or epochs. The stream is a pure function of the
+seed and the position, so an actor that skips the prompts it already completed (a restarted or
+resumed actor does) continues where it was, mid-epoch.
+
+Scoring. The episode is single-turn: the response (decoded up to the first stop id, special
+tokens skipped) goes to the reward as verl calls it, reward(data_source, response,
+ground_truth, extra_info). A reward that raises, hangs or returns a non-finite value gives 0 and
+a counted reason (`rewards/`), reported in the episode's counters. Run episodes with
+env_threads > 1 so a slow verifier holds up only its own episode. `is_correct` (evaluation)
+means a score of at least 1.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from sao_actor_learner import core
+from sao_actor_learner.tasks.dataset_files import DatasetError, DatasetRow, read_dataset
+
+EVAL_ID_BASE = 1 << 40   # held-out prompt i has prompt_id EVAL_ID_BASE + i; training ids below
+
+
+class PromptRenderer:
+    """Renders a dataset prompt into token ids (see the module docstring).
+
+    Args:
+      tokenizer: the model's tokenizer.
+      apply_chat_template: None: when the tokenizer has a template; True: always (an error if
+        it has none); False: plain text.
+      chat_template_kwargs: keyword arguments for the template.
+      system_prompt: a system message put before the prompt's messages ("" for none); with
+        plain text it is put before the prompt, separated by a blank line.
+      instruction_suffix: text appended to the last user message (or the string prompt).
+    """
+
+    def __init__(self, tokenizer: core.Tokenizer, apply_chat_template: Optional[bool] = None,
+                 chat_template_kwargs: Optional[dict] = None, system_prompt: str = "",
+                 instruction_suffix: str = ""):
+        if apply_chat_template and not tokenizer.has_chat_template:
+            raise ValueError("apply_chat_template=True but the model's tokenizer has no chat "
+                             "template: drop --apply_chat_template (prompts are then plain text) "
+                             "or use a model directory whose tokenizer_config.json has one")
+        self.tokenizer = tokenizer
+        self.chat = tokenizer.has_chat_template if apply_chat_template is None \
+            else bool(apply_chat_template)
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        self.system_prompt = system_prompt
+        self.instruction_suffix = instruction_suffix
+
+    def messages(self, prompt) -> List[Dict[str, str]]:
+        """The chat messages of a prompt, with the system prompt and suffix applied."""
+        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) \
+            else [dict(m) for m in prompt]
+        if self.instruction_suffix:
+            users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+            if not users:
+                raise ValueError("instruction_suffix is set but the prompt has no user message")
+            msgs[users[-1]]["content"] += self.instruction_suffix
+        if self.system_prompt and msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": self.system_prompt})
+        return msgs
+
+    def render(self, prompt) -> List[int]:
+        """Token ids the model reads before its response."""
+        msgs = self.messages(prompt)
+        if self.chat:
+            return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                      **self.template_kwargs)
+        text = "\n\n".join(m["content"] for m in msgs)
+        return self.tokenizer.encode(text, add_bos=True)
+
+
+class DatasetEnvironment(core.Environment):
+    """One single-turn episode: scores the response with the task's reward, then is done."""
+
+    def __init__(self, task: "DatasetTask", prompt: core.Prompt):
+        self._task = task
+        self._prompt = prompt
+        self._done = False
+
+    def step(self, action_tokens: Sequence[int]) -> core.StepResult:
+        if self._done:
+            raise RuntimeError(f"prompt {self._prompt.prompt_id}: the episode is over (dataset "
+                               "prompts are single-turn); make a new environment per episode")
+        self._done = True
+        score, counters = self._task.score(self._prompt, action_tokens)
+        return core.StepResult(observation_tokens=[], reward=score, done=True,
+                               info={"counters": counters})
+
+
+class DatasetTask(core.Task):
+    """Prompts from dataset files and a reward function (see the module docstring).
+
+    Args:
+      tokenizer: the model's tokenizer.
+      train_files, eval_files: dataset files (.jsonl / .parquet).
+      reward: a `rewards.Reward` (or anything with the same `__call__` and `close()`):
+        reward(data_source, solution_str, ground_truth, extra_info) -> RewardResult. The task
+        owns it: `close()` closes it.
+      renderer: how prompts become ids (PromptRenderer over `tokenizer` by default).
+      prompt_key, answer_key: the columns holding the prompt and the ground truth.
+      max_prompt_length: longer prompts (in tokens) are left out and counted; 0: no limit.
+      num_eval: held-out prompts (the first num_eval of eval_files, in order); 0: all.
+      seed, shuffle: the training order.
+      prompt_id_offset, prompt_id_stride: this actor's positions in the stream.
+    """
+
+    name = "dataset"
+
+    def __init__(self, tokenizer: core.Tokenizer, train_files: Sequence[str],
+                 eval_files: Sequence[str], reward, renderer: Optional[PromptRenderer] = None,
+                 prompt_key: str = "prompt", answer_key: str = "reward_model.ground_truth",
+                 max_prompt_length: int = 0, num_eval: int = 0, seed: int = 0,
+                 shuffle: bool = True, prompt_id_offset: int = 0, prompt_id_stride: int = 1):
+        if prompt_id_stride < 1 or prompt_id_offset < 0:
+            raise ValueError(f"prompt_id_offset={prompt_id_offset}, prompt_id_stride="
+                             f"{prompt_id_stride}: need offset >= 0 and stride >= 1")
+        if max_prompt_length < 0 or num_eval < 0:
+            raise ValueError(f"max_prompt_length={max_prompt_length}, num_eval={num_eval}: "
+                             "must be >= 0")
+        self.tokenizer = tokenizer
+        self.reward = reward
+        self.renderer = renderer or PromptRenderer(tokenizer)
+        self.seed = seed
+        self.shuffle = shuffle
+        self.max_prompt_length = max_prompt_length
+        self.stats: Dict[str, int] = {}
+        self._train = self._load(train_files, "train", prompt_key, answer_key)
+        evals = self._load(eval_files, "eval", prompt_key, answer_key)
+        if num_eval:
+            if num_eval > len(evals):
+                raise DatasetError(f"num_eval={num_eval} but the eval files hold {len(evals)} "
+                                   f"usable prompts ({', '.join(eval_files)}); lower --eval_size")
+            evals = evals[:num_eval]
+        self._eval = [self._prompt(row, ids, EVAL_ID_BASE + i)
+                      for i, (row, ids) in enumerate(evals)]
+        self._positions = itertools.count(prompt_id_offset, prompt_id_stride)
+        self._lock = threading.Lock()
+        self._orders: Dict[int, np.ndarray] = {}
+
+    # Loading ---------------------------------------------------------------------------------
+    def _load(self, files: Sequence[str], split: str, prompt_key: str,
+              answer_key: str) -> List[Tuple[DatasetRow, Tuple[int, ...]]]:
+        rows = read_dataset(files, prompt_key, answer_key)
+        kept: List[Tuple[DatasetRow, Tuple[int, ...]]] = []
+        for row in rows:
+            try:
+                ids = self.renderer.render(row.prompt)
+            except Exception as e:   # a template that raises on this row's messages
+                raise DatasetError(f"{row.file}: row {row.index}: the prompt does not render "
+                                   f"({e!r}); fix the row's messages") from None
+            if self.max_prompt_length and len(ids) > self.max_prompt_length:
+                continue
+            kept.append((row, tuple(ids)))
+        self.stats[f"{split}_rows"] = len(rows)
+        self.stats[f"{split}_filtered_long"] = len(rows) - len(kept)
+        if not kept:
+            raise DatasetError(
+                f"every {split} prompt of {', '.join(files)} is longer than max_prompt_length="
+                f"{self.max_prompt_length} tokens; raise --max_prompt_length (and "
+                "--max_sequence_length)")
+        return kept
+
+    @staticmethod
+    def _prompt(row: DatasetRow, ids: Tuple[int, ...], prompt_id: int) -> core.Prompt:
+        text = row.prompt if isinstance(row.prompt, str) else row.prompt[-1]["content"]
+        return core.Prompt(prompt_id=prompt_id, token_ids=ids, text=text, answer=row)
+
+    # core.Task ---------------------------------------------------------------------------------
+    @property
+    def num_train(self) -> int:
+        return len(self._train)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The training rows of epoch `epoch`, in the order they are used."""
+        with self._lock:
+            order = self._orders.get(epoch)
+            if order is None:
+                n = len(self._train)
+                order = np.random.default_rng([self.seed, epoch]).permutation(n) \
+                    if self.shuffle else np.arange(n)
+                self._orders = {epoch: order}   # one epoch at a time is in use
+        return order
+
+    def prompt_at(self, position: int) -> core.Prompt:
+        """The training prompt at stream position `position` (its prompt_id is the position)."""
+        epoch, offset = divmod(position, len(self._train))
+        row, ids = self._train[int(self.order(epoch)[offset])]
+        return self._prompt(row, ids, position)
+
+    def sample_prompt(self, rng=None) -> core.Prompt:
+        """This actor's next training prompt (the stream is fixed by the seed; `rng` unused)."""
+        with self._lock:
+            position = next(self._positions)
+        return self.prompt_at(position)
+
+    def eval_prompts(self) -> List[core.Prompt]:
+        return list(self._eval)
+
+    def make_environment(self, prompt: core.Prompt) -> core.Environment:
+        return DatasetEnvironment(self, prompt)
+
+    def score(self, prompt: core.Prompt, completion_tokens: Sequence[int]
+              ) -> Tuple[float, Dict[str, float]]:
+        """(reward, counters) of a response: counters has reward_calls, reward_failed_<reason>
+        for a failed call, and the reward's numeric metrics as reward_<name>."""
+        row: DatasetRow = prompt.answer
+        try:
+            text = self.tokenizer.decode_response(completion_tokens)
+        except ValueError:   # ids outside the tokenizer: a broken engine; the writer rejects it
+            return 0.0, {"reward_calls": 1, "reward_failed_undecodable": 1}
+        result = self.reward(row.data_source, text, row.ground_truth, row.extra_info)
+        counters: Dict[str, float] = {"reward_calls": 1}
+        if result.failure:
+            counters[f"reward_failed_{result.failure}"] = 1
+        for key, value in (result.metrics or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                counters[f"reward_{key}"] = float(value)
+        return float(result.score), counters
+
+    def is_correct(self, prompt: core.Prompt, completion_tokens: Sequence[int]) -> bool:
+        return self.score(prompt, completion_tokens)[0] >= 1.0
+
+    def close(self) -> None:
+        self.reward.close()
