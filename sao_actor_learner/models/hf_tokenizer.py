@@ -74,8 +74,9 @@ class HFTokenizer(core.Tokenizer):
         prefix = with_specials[:len(with_specials) - len(plain)] \
             if with_specials[len(with_specials) - len(plain):] == plain else []
         self._bos = int(prefix[0]) if prefix else None
+        added = getattr(hf_tokenizer, "added_tokens_decoder", {}) or {}
         self._special = frozenset(int(i) for i in hf_tokenizer.all_special_ids) | \
-            frozenset(self._stop_ids)
+            frozenset(self._stop_ids) | frozenset(int(i) for i, t in added.items() if t.special)
 
     @classmethod
     def from_pretrained(cls, directory: str) -> "HFTokenizer":
@@ -118,7 +119,8 @@ class HFTokenizer(core.Tokenizer):
         return self._special
 
     def encode(self, text: str, add_bos: bool = True) -> List[int]:
-        ids = [int(i) for i in self.hf.encode(text, add_special_tokens=False)]
+        ids = [int(i) for i in self.hf.encode(text, add_special_tokens=False,
+                                              split_special_tokens=True)]
         if add_bos and self._bos is not None:
             ids.insert(0, self._bos)
         return ids
