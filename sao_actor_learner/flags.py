@@ -1,4 +1,5 @@
-"""absl flags generated from a config dataclass, so every field is a flag with its default."""
+"""absl flags generated from a config dataclass: every field is a flag with its default and
+its one-sentence help (declared with `config.sections.option`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +15,10 @@ def define_flags_from_dataclass(cls, flag_values=flags.FLAGS, skip=()) -> None:
             continue
         t = hints[f.name]
         default = f.default
-        help_ = f"{cls.__name__}.{f.name}"
+        help_ = f.metadata.get("help")
+        if not help_:
+            raise TypeError(f"{cls.__name__}.{f.name} has no help: declare it with "
+                            "config.sections.option(default, help)")
         if t is bool or t == typing.Optional[bool]:   # Optional: None until given
             flags.DEFINE_bool(f.name, default, help_, flag_values=flag_values)
         elif t is int:

@@ -1,0 +1,163 @@
+"""The run configuration: `SAOConfig`, the flat combination of the sections in `sections.py`
+and `learner.py`, validated when it is made.
+
+Flags and config.json are flat: every field of every section is a top-level flag
+(`--policy_lr`) and key. Components take their section, e.g. `config.section(LearnerConfig)`,
+or explicit arguments. Every check runs before any process starts and its message names the
+field, the value and what to change ("max_staleness=-1: must be >= 0; 0 means strictly
+on-policy"). Fields left at 0 / "" that have a per-task default take it (`TASK_DEFAULTS`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Type, TypeVar
+
+from sao_actor_learner.config.learner import LearnerConfig
+from sao_actor_learner.config.sections import (  # noqa: F401  (re-exported)
+    ACTOR_DELAYS, ALGORITHMS, CRITIC_FREE_BASELINES, DTYPES, ENGINES, GAE_MODES,
+    KERNEL_BACKENDS, LAUNCH_TYPES, LEARNER_STRATEGIES, LOSS_NORMALIZATIONS, POLICY_LOSSES,
+    PROGRAM_GROUPS, TASKS, VLLM_WEIGHT_SYNC_MODES, ActorConfig, ConfigError, DatasetConfig,
+    EngineConfig, EvalConfig, LaunchConfig, ProgramConfig, ReplayConfig, Section, _raise,
+    parse_ray_resources)
+
+# Per-task defaults of the fields left at 0 / "" ("actor_batch": the actor_batch value).
+TASK_DEFAULTS = {
+    "arithmetic": dict(init_checkpoint="checkpoints/warm_start", max_sequence_length=64,
+                       max_new_tokens=8, max_turns=1, env_threads=1),
+    "calculator_tool": dict(init_checkpoint="checkpoints/warm_start_calculator_tool",
+                            max_sequence_length=96, max_new_tokens=16, max_turns=4,
+                            env_threads="actor_batch"),
+    # The reward runs in the environment step: off the generation thread (env_threads).
+    "dataset": dict(max_sequence_length=512, max_new_tokens=128, max_turns=1,
+                    env_threads="actor_batch"),
+}
+SECTIONS = (ProgramConfig, ReplayConfig, ActorConfig, EngineConfig, LearnerConfig,
+            DatasetConfig, EvalConfig, LaunchConfig)
+
+S = TypeVar("S", bound=Section)
+
+
+@dataclasses.dataclass(frozen=True)
+class SAOConfig(LaunchConfig, EvalConfig, DatasetConfig, LearnerConfig, EngineConfig,
+                ActorConfig, ReplayConfig, ProgramConfig):
+    """Every option of a run (fields in section order: program, replay, actor, engine, learner,
+    dataset, eval, launch)."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):   # tuples from flags may arrive as lists
+            if isinstance(getattr(self, f.name), list):
+                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
+        self._resolve_model()
+        self._resolve_task_defaults()
+        object.__setattr__(self, "model", self.init_checkpoint)
+        if not self.max_prompt_length and self.max_sequence_length > self.max_new_tokens:
+            object.__setattr__(self, "max_prompt_length",
+                               self.max_sequence_length - self.max_new_tokens)
+        self._resolve_lockstep()
+        self.validate()
+
+    # Resolution ------------------------------------------------------------------------------
+    def _resolve_model(self) -> None:
+        """`model` and `init_checkpoint` name the same directory; both end up holding it (the
+        task's default when neither is given)."""
+        if self.model and self.init_checkpoint and self.model != self.init_checkpoint:
+            raise ConfigError(f"model={self.model!r} and init_checkpoint={self.init_checkpoint!r}"
+                              " name different directories; they are one setting: give --model")
+        object.__setattr__(self, "init_checkpoint", self.model or self.init_checkpoint)
+
+    def _resolve_task_defaults(self) -> None:
+        """Fills the fields left at 0 / "" with the task's TASK_DEFAULTS."""
+        if self.task not in TASKS:
+            return  # validate() names the bad task
+        for field, value in TASK_DEFAULTS.get(self.task, TASK_DEFAULTS["arithmetic"]).items():
+            if getattr(self, field) in (0, ""):
+                object.__setattr__(self, field,
+                                   self.actor_batch if value == "actor_batch" else value)
+
+    def _resolve_lockstep(self) -> None:
+        """lockstep=True sets max_staleness to 0; an explicit other value is an error."""
+        if not self.lockstep:
+            return
+        default = type(self).__dataclass_fields__["max_staleness"].default
+        if self.max_staleness not in (0, default):
+            raise ConfigError(
+                f"lockstep=True with max_staleness={self.max_staleness}: lock-step training is "
+                "on-policy (max_staleness 0, which lockstep sets); drop --max_staleness, or drop "
+                "--lockstep to train asynchronously with that staleness")
+        object.__setattr__(self, "max_staleness", 0)
+
+    # Sections, copies, JSON ------------------------------------------------------------------
+    def section(self, cls: Type[S]) -> S:
+        """The fields of section `cls` (e.g. LearnerConfig) as that section."""
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+    def replace(self, **kwargs) -> "SAOConfig":
+        return dataclasses.replace(self, **kwargs)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "SAOConfig":
+        return cls(**json.loads(text))
+
+    # Validation ------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Each section's own checks, in section order, then the checks across sections."""
+        for section in SECTIONS:
+            section.check(self, _raise)
+        self.check_across_sections(_raise)
+
+    def check_across_sections(self, fail) -> None:
+        G = self.group_size
+        if not self.model:
+            fail(f"task={self.task!r} has no default model: pass --model=DIR, a Hugging Face "
+                 "model directory (config.json, weights, tokenizer)")
+        if self.actor_batch > self.effective_queue_capacity:
+            fail(f"actor_batch={self.actor_batch} > queue capacity {self.effective_queue_capacity}: "
+                 "an actor could never insert its whole batch; lower actor_batch")
+        if self.max_new_tokens >= self.max_sequence_length:
+            fail(f"max_new_tokens={self.max_new_tokens} >= max_sequence_length="
+                 f"{self.max_sequence_length}: a turn could never fit after the prompt; raise "
+                 "max_sequence_length or lower max_new_tokens")
+        if self.critic_warmup_steps >= self.max_steps:
+            fail(f"critic_warmup_steps={self.critic_warmup_steps} >= max_steps={self.max_steps}: "
+                 "the policy would never be trained; lower critic_warmup_steps")
+        if self.algorithm == "grpo" and G < 2:
+            fail(f"group_size={G} with algorithm='grpo': a group of one rollout has advantage 0 "
+                 "(its reward minus its own mean), so nothing would train; set --group_size>=2 "
+                 "(the paper's GRPO: 8) or use --algorithm=critic_free or sao for single rollouts")
+        if self.batch_size % G:
+            fail(f"batch_size={self.batch_size} is not a multiple of group_size={G}: a GRPO "
+                 "batch is prompts x G whole groups; make batch_size a multiple of group_size")
+        if self.effective_queue_capacity < G:
+            fail(f"queue capacity {self.effective_queue_capacity} < group_size={G}: actors could "
+                 "never insert a whole group, a deadlock; raise queue_capacity")
+        if not 1 <= self.policy_minibatches <= self.batch_size // G:
+            fail(f"policy_minibatches={self.policy_minibatches}: must be in [1, batch_size/"
+                 f"group_size={self.batch_size // G}] (each minibatch needs at least one prompt)")
+        if self.batch_size % self.learners:
+            fail(f"batch_size={self.batch_size} is not a multiple of learners={self.learners}: "
+                 "every rank trains the same number of rollouts; make it a multiple")
+        if self.learners > 1 and (self.batch_size // self.learners) % G:
+            fail(f"batch_size/learners={self.batch_size // self.learners} is not a multiple of "
+                 f"group_size={G}: each rank needs whole groups")
+        if self.launch != "ray" and (self.ray_address or self.ray_resources):
+            fail(f"ray_address={self.ray_address!r} / ray_resources={list(self.ray_resources)}: "
+                 f"apply to --launch=ray only (launch={self.launch!r}); drop them or use ray")
+        if not 0 < self.max_prompt_length < self.max_sequence_length:
+            fail(f"max_prompt_length={self.max_prompt_length}: must be in [1, "
+                 f"max_sequence_length={self.max_sequence_length}) so a response fits after it")
+        if self.task != "dataset":
+            if self.train_files or self.eval_files:
+                fail(f"train_files / eval_files apply to --task=dataset (task={self.task!r}); "
+                     "add --task=dataset or drop them")
+            return
+        if not self.train_files:
+            fail("task='dataset' needs --train_files=a.parquet[,b.jsonl] (training prompts)")
+        if not self.eval_files:
+            fail("task='dataset' needs --eval_files=test.parquet (held-out prompts, scored with "
+                 "the same reward)")
+        if self.max_turns != 1:
+            fail(f"max_turns={self.max_turns}: dataset prompts are single-turn; drop --max_turns")

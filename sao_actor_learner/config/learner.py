@@ -1,0 +1,145 @@
+"""The learner's section of the run configuration: the algorithm, its objectives, the critic,
+precision and memory, and the data-parallel learner group. Formulas and defaults: docs/METHOD.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Tuple
+
+from sao_actor_learner.config.sections import (ALGORITHMS, CRITIC_FREE_BASELINES, DTYPES,
+                                               GAE_MODES, KERNEL_BACKENDS, LEARNER_STRATEGIES,
+                                               LOSS_NORMALIZATIONS, POLICY_LOSSES, Fail, Section,
+                                               at_least, choice, option)
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig(Section):
+    """How the learner turns a batch into one policy step (and K critic steps)."""
+    algorithm: str = option("sao", "sao (critic + skip-observation GAE), grpo (group-"
+                            "normalised rewards) or critic_free (a tracked reward baseline).")
+    policy_loss: str = option("dis", "dis (double-sided IS against rollout log-probs), "
+                              "ppo_clip, tis, icepop or none (no correction).")
+    eps_low: float = option(0.3, "DIS keeps tokens whose ratio is >= 1 - eps_low (paper: 0.3 "
+                            "math, 0.8 coding).")
+    eps_high: float = option(5.0, "DIS keeps tokens whose ratio is <= 1 + eps_high (paper: 5 "
+                             "math, 3 coding).")
+    loss_normalization: str = option("action_tokens", "The policy loss divides by all action "
+                                     "tokens of the batch, or by the kept ones (kept_tokens).")
+    policy_lr: float = option(5e-5, "AdamW learning rate of the policy.")
+    critic_lr: float = option(2.5e-4, "AdamW learning rate of the critic (5x the policy's, as "
+                              "the public ports use).")
+    critic_updates: int = option(2, "K: critic optimizer steps per policy step, each on "
+                                 "recomputed values.")
+    critic_frozen_patterns: Tuple[str, ...] = option(
+        ("self_attn", "embed_tokens", "norm"), "Regexes of critic parameters kept frozen "
+        "(attention, embeddings and norms); each must match some parameter.")
+    critic_warmup_steps: int = option(0, "The first steps update only the critic (they do not "
+                                      "count as policy versions).")
+    value_pretrain_steps: int = option(0, "Critic-only steps on the initial policy's rollouts "
+                                       "before RL.")
+    value_pretrain_min_ev: float = option(1.0, "Value pretraining stops early at this explained "
+                                          "variance.")
+    gamma: float = option(1.0, "Discount.")
+    gae: str = option("skip_observation", "skip_observation GAE (observation tokens skipped) or "
+                      "standard (bootstraps through them).")
+    adaptive_lambda: bool = option(True, "lambda_policy = 1 - 1 / (lambda_alpha * n) with n "
+                                   "the rollout's action tokens.")
+    lambda_alpha: float = option(1.5, "alpha of the length-adaptive lambda (SAO review: 1.5; "
+                                 "VAPO: 0.05).")
+    lambda_policy: float = option(0.95, "GAE lambda of the policy advantages when "
+                                  "adaptive_lambda is off.")
+    lambda_critic: float = option(1.0, "GAE lambda of the critic targets (1: Monte-Carlo "
+                                  "returns).")
+    normalize_advantages: bool = option(True, "Whiten advantages over the batch's action "
+                                        "tokens.")
+    max_grad_norm: float = option(1.0, "Gradient-norm clip of the policy and the critic.")
+    value_clip: float = option(0.0, "PPO-style value clipping range; 0: off.")
+    bootstrap_truncated: bool = option(False, "Bootstrap truncated episodes from the critic's "
+                                       "value at the cut (otherwise they end with value 0).")
+    grpo_scale_by_std: bool = option(True, "grpo: divide by the group's reward std (False: Dr. "
+                                     "GRPO).")
+    baseline: str = option("running_mean", "critic_free: the baseline tracker, running_mean or "
+                           "per_prompt.")
+    baseline_decay: float = option(0.9, "critic_free: EMA decay of the baseline tracker.")
+    ppo_clip_low: float = option(0.2, "PPO clip range starts at 1 - ppo_clip_low (ppo_clip, "
+                                 "tis, icepop).")
+    ppo_clip_high: float = option(0.2, "PPO clip range ends at 1 + ppo_clip_high.")
+    tis_cap: float = option(2.0, "tis: C in min(pi_old / mu, C).")
+    icepop_low: float = option(0.5, "icepop: lower end of the band on pi_old / mu.")
+    icepop_high: float = option(5.0, "icepop: upper end of the band on pi_old / mu.")
+    policy_minibatches: int = option(1, "Policy optimizer steps per learner step, on "
+                                     "consecutive slices of the batch.")
+    micro_batch_tokens: int = option(0, "Token budget of one forward/backward; a step "
+                                     "accumulates gradients over micro-batches; 0: whole batch.")
+    dtype: str = option("float32", "Parameter and activation dtype of the policy and critic "
+                        "(bfloat16 keeps fp32 master weights and optimizer state).")
+    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass "
+                                          "(less memory, ~30% more compute).")
+    kernel_backend: str = option("auto", "auto (Triton on CUDA tensors, torch elsewhere), "
+                                 "triton or torch.")
+    fused_logprobs: bool = option(True, "Log-probs from hidden states and the LM head without "
+                                  "materialising [N, V] logits.")
+    checkpoint_every: int = option(0, "Save a learner checkpoint every this many versions; 0: "
+                                   "only at the end.")
+    keep_checkpoints: int = option(0, "The newest learner checkpoints kept; 0: all.")
+    learners: int = option(1, "Learner ranks in one torch.distributed group (gloo on CPU, NCCL "
+                           "on GPU); each takes its share of every batch.")
+    learner_strategy: str = option("ddp", "With learners > 1: ddp (gradients all-reduced) or "
+                                   "fsdp2 (parameters sharded).")
+    collective_timeout_s: float = option(300.0, "A learner-group collective slower than this "
+                                         "fails the group (naming the rank) instead of hanging.")
+
+    def check(self, fail: Fail) -> None:
+        for field, options in (("algorithm", ALGORITHMS), ("policy_loss", POLICY_LOSSES),
+                               ("gae", GAE_MODES), ("loss_normalization", LOSS_NORMALIZATIONS),
+                               ("kernel_backend", KERNEL_BACKENDS), ("baseline",
+                                                                     CRITIC_FREE_BASELINES),
+                               ("dtype", DTYPES), ("learner_strategy", LEARNER_STRATEGIES)):
+            choice(self, field, options, fail)
+        at_least(self, ("critic_updates", "learners", "policy_minibatches"), 1, fail)
+        if not 0.0 < self.eps_low < 1.0:
+            fail(f"eps_low={self.eps_low}: must be in (0, 1); the lower bound of the DIS band is "
+                 "1 - eps_low and must stay positive (paper: 0.3 math, 0.8 coding)")
+        if self.eps_high <= 0.0:
+            fail(f"eps_high={self.eps_high}: must be > 0 (paper: 5.0 math, 3.0 coding)")
+        for field in ("policy_lr", "critic_lr"):
+            if not getattr(self, field) > 0:
+                fail(f"{field}={getattr(self, field)}: must be > 0")
+        if not 0.0 <= self.gamma <= 1.0:
+            fail(f"gamma={self.gamma}: must be in [0, 1]")
+        for field in ("lambda_policy", "lambda_critic"):
+            if not 0.0 <= getattr(self, field) <= 1.0:
+                fail(f"{field}={getattr(self, field)}: must be in [0, 1]")
+        if self.lambda_alpha <= 0:
+            fail(f"lambda_alpha={self.lambda_alpha}: must be > 0 (SAO review: 1.5; VAPO: 0.05)")
+        at_least(self, ("critic_warmup_steps", "value_pretrain_steps", "checkpoint_every",
+                        "keep_checkpoints", "micro_batch_tokens"), 0, fail)
+        if self.max_grad_norm <= 0:
+            fail(f"max_grad_norm={self.max_grad_norm}: must be > 0")
+        if self.value_clip < 0:
+            fail(f"value_clip={self.value_clip}: must be >= 0 (0 disables value clipping)")
+        if not 0.0 < self.value_pretrain_min_ev <= 1.0:
+            fail(f"value_pretrain_min_ev={self.value_pretrain_min_ev}: must be in (0, 1]")
+        if not 0.0 < self.ppo_clip_low < 1.0:
+            fail(f"ppo_clip_low={self.ppo_clip_low}: must be in (0, 1); the clip range starts at "
+                 "1 - ppo_clip_low, which must stay positive (PPO/GRPO: 0.2)")
+        if self.ppo_clip_high <= 0.0:
+            fail(f"ppo_clip_high={self.ppo_clip_high}: must be > 0 (PPO/GRPO: 0.2; DAPO: 0.28)")
+        if self.tis_cap <= 0.0:
+            fail(f"tis_cap={self.tis_cap}: the truncation C of min(pi_old/mu, C) must be > 0 "
+                 "(typical: 2)")
+        if not 0.0 < self.icepop_low <= 1.0 <= self.icepop_high:
+            fail(f"icepop_low={self.icepop_low}, icepop_high={self.icepop_high}: need "
+                 "0 < icepop_low <= 1 <= icepop_high so on-policy tokens (ratio 1) are kept "
+                 "(IcePop: 0.5 and 5)")
+        if not 0.0 <= self.baseline_decay < 1.0:
+            fail(f"baseline_decay={self.baseline_decay}: must be in [0, 1)")
+        if self.algorithm != "sao" and (self.value_pretrain_steps or self.critic_warmup_steps):
+            fail(f"algorithm={self.algorithm!r} has no critic: value_pretrain_steps="
+                 f"{self.value_pretrain_steps} and critic_warmup_steps={self.critic_warmup_steps}"
+                 " must be 0 (or use --algorithm=sao)")
+        if self.bootstrap_truncated and self.algorithm != "sao":
+            fail(f"bootstrap_truncated=True needs a critic (algorithm='sao', not "
+                 f"{self.algorithm!r})")
+        if not self.collective_timeout_s > 0:
+            fail(f"collective_timeout_s={self.collective_timeout_s}: must be > 0 seconds")

@@ -1,0 +1,428 @@
+"""The run configuration's sections: one frozen dataclass per component, each validating itself.
+
+Every field is declared with `option(default, help)`: the help sentence is the flag's help
+(`programs/sao.py --helpfull`). A section's `check(fail)` validates its own fields and names the
+field, the value and what to change; checks that relate fields of several sections live in
+`config.SAOConfig`, the flat combination of all sections that flags and config.json use.
+Components take their section (`config.section(LearnerConfig)`) or explicit arguments, never the
+whole run configuration.
+
+Only the standard library (and `latency`, numpy only) is imported here: the launcher validates
+configs without loading torch, engines or tasks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable, Optional, Tuple
+
+LAUNCH_TYPES = ("local_mt", "local_mp", "ray")
+TASKS = ("arithmetic", "online_shift", "calculator_tool", "dataset")
+ENGINES = ("torch", "vllm")
+VLLM_WEIGHT_SYNC_MODES = ("keep", "abort")
+GAE_MODES = ("skip_observation", "standard")
+LOSS_NORMALIZATIONS = ("action_tokens", "kept_tokens")
+POLICY_LOSSES = ("dis", "ppo_clip", "tis", "icepop", "none")
+ALGORITHMS = ("sao", "grpo", "critic_free")
+CRITIC_FREE_BASELINES = ("running_mean", "per_prompt")
+ACTOR_DELAYS = ("none", "fixed", "uniform", "heavy_tailed")
+KERNEL_BACKENDS = ("auto", "triton", "torch")
+DTYPES = ("float32", "bfloat16")
+LEARNER_STRATEGIES = ("ddp", "fsdp2")
+# The groups of the SAO program (builder.make_program), for restart_groups and ray_resources.
+PROGRAM_GROUPS = ("replay", "variables", "learner", "actor", "evaluator")
+
+Fail = Callable[[str], None]
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def resolve_vllm_python(python: str = "") -> str:
+    """The vLLM environment's python: `python` if given, else $SAO_VLLM_PYTHON, else
+    `<repo>/.venv-vllm/bin/python` (what `make vllm-env` builds). Not checked for existence."""
+    if python:
+        return os.path.abspath(os.path.expanduser(python))
+    if os.environ.get("SAO_VLLM_PYTHON"):
+        return os.path.abspath(os.path.expanduser(os.environ["SAO_VLLM_PYTHON"]))
+    return os.path.join(REPO_ROOT, ".venv-vllm", "bin", "python")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message says which field to change and why."""
+
+
+def option(default: Any, help: str) -> Any:
+    """A config field with its default and its one-sentence help (the flag's help)."""
+    if isinstance(default, (list, tuple)):
+        return dataclasses.field(default=tuple(default), metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def _raise(msg: str) -> None:
+    raise ConfigError(msg)
+
+
+class Section:
+    """A frozen dataclass of options that checks itself when made (and `check` in SAOConfig)."""
+
+    def __post_init__(self) -> None:
+        type(self).check(self, _raise)
+
+    def check(self, fail: Fail) -> None:
+        """Calls `fail(message)` for the first invalid field of this section."""
+
+
+def choice(section: Any, field: str, options: Tuple[str, ...], fail: Fail) -> None:
+    value = getattr(section, field)
+    if value not in options:
+        fail(f"{field}={value!r}: must be one of {', '.join(options)}")
+
+
+def at_least(section: Any, fields: Tuple[str, ...], low: float, fail: Fail,
+             why: str = "") -> None:
+    for field in fields:
+        value = getattr(section, field)
+        if value < low:
+            fail(f"{field}={value}: must be >= {low:g}{why}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramConfig(Section):
+    """What runs: the task, the model, how many actors, for how long."""
+    task: str = option("arithmetic", "The task: arithmetic, calculator_tool, online_shift, or "
+                       "dataset (prompts from --train_files scored by --reward).")
+    seed: int = option(0, "Seeds the task split, the prompt order and the models.")
+    run_dir: str = option("runs/default", "Where the run writes config.json, metrics, "
+                          "checkpoints, logs and summary.json.")
+    launch: str = option("local_mp", "How nodes run: local_mp (a process each), local_mt "
+                         "(threads of one process) or ray.")
+    num_actors: int = option(2, "Actor nodes generating rollouts.")
+    max_steps: int = option(100, "Learner steps, i.e. policy versions, to train.")
+    threads_per_process: int = option(1, "torch.set_num_threads in every node (several "
+                                      "processes share the cores).")
+    model: str = option("", "The policy's Hugging Face model directory (any causal LM with its "
+                        "tokenizer); empty: --init_checkpoint or the task's warm start.")
+    init_checkpoint: str = option("", "The same directory as --model under its older name; "
+                                  "empty: the task's warm start (checkpoints/warm_start...).")
+    critic_model: str = option("", "Where the critic starts: a critic directory (e.g. value-"
+                               "pretrained) or a causal-LM directory; empty: the policy's.")
+
+    def check(self, fail: Fail) -> None:
+        choice(self, "task", TASKS, fail)
+        choice(self, "launch", LAUNCH_TYPES, fail)
+        at_least(self, ("num_actors", "max_steps", "threads_per_process"), 1, fail)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayConfig(Section):
+    """The replay table, the staleness bound and replay's durability."""
+    batch_size: int = option(32, "Rollouts (distinct prompts, or prompts x group_size) per "
+                             "learner step.")
+    max_staleness: int = option(4, "eta: no rollout staler than this many versions is trained "
+                                "on; 0 is strictly on-policy.")
+    queue_capacity: int = option(0, "Reverb rate-limiter bound on queued rollouts; 0: twice "
+                                 "batch_size.")
+    admission_control: bool = option(True, "Actors start a rollout only while started <= "
+                                     "(v + eta + 1) * batch_size + dropped.")
+    max_sequence_length: int = option(0, "The longest rollout in tokens, prompt included; "
+                                      "0: the task's default.")
+    lockstep: bool = option(False, "Synchronous RL on the same program: one batch per version, "
+                            "actors idle while the learner trains (sets max_staleness 0).")
+    forced_staleness: int = option(-1, "k >= 0 trains every rollout exactly k versions stale "
+                                   "(a drift experiment); -1: off.")
+    replay_checkpoints: bool = option(True, "Replay checkpoints Reverb periodically and on stop "
+                                      "and restores the newest when it (re)starts.")
+    replay_checkpoint_every_s: float = option(30.0, "Seconds between replay checkpoints; 0: "
+                                              "only when the replay node stops.")
+    replay_checkpoint_dir: str = option("", "Where replay checkpoints go; empty: "
+                                        "<run_dir>/checkpoints/replay.")
+    replay_exactly_once: bool = option(True, "The learner removes a rollout from replay only "
+                                       "after its journal has it (a killed learner loses none).")
+
+    def check(self, fail: Fail) -> None:
+        at_least(self, ("batch_size", "max_sequence_length"), 1, fail)
+        if self.max_staleness < 0:
+            fail(f"max_staleness={self.max_staleness}: must be >= 0; 0 means strictly on-policy")
+        if self.queue_capacity < 0:
+            fail(f"queue_capacity={self.queue_capacity}: must be >= 0 (0 picks 2*batch_size)")
+        if self.queue_capacity and self.queue_capacity < self.batch_size:
+            fail(f"queue_capacity={self.queue_capacity} < batch_size={self.batch_size}: the learner "
+                 f"waits for {self.batch_size} rollouts while actors block once {self.queue_capacity} "
+                 "are queued, a deadlock; raise queue_capacity or lower batch_size")
+        if self.replay_checkpoint_every_s < 0:
+            fail(f"replay_checkpoint_every_s={self.replay_checkpoint_every_s}: must be >= 0 "
+                 "(0: checkpoint only when the replay node stops)")
+        if self.forced_staleness < -1:
+            fail(f"forced_staleness={self.forced_staleness}: staleness cannot be negative; use "
+                 "k >= 0 (every rollout exactly k versions stale) or -1 (off)")
+        if self.forced_staleness > self.max_staleness:
+            fail(f"forced_staleness={self.forced_staleness} > max_staleness={self.max_staleness}:"
+                 " the learner would drop every rollout as too stale; raise max_staleness to at "
+                 "least forced_staleness")
+        if self.forced_staleness >= 0 and not self.admission_control:
+            fail(f"forced_staleness={self.forced_staleness} needs admission_control=True: actors "
+                 "make exactly one batch per policy version, which admission enforces")
+        if self.lockstep:
+            if not self.admission_control:
+                fail("lockstep=True with admission_control=False: lock-step is enforced by "
+                     "admission (actors start one batch per policy version); set "
+                     "--admission_control")
+            if self.forced_staleness >= 0:
+                fail(f"lockstep=True with forced_staleness={self.forced_staleness}: forced "
+                     "staleness trains every rollout k versions stale, lock-step trains "
+                     "on-policy; use one")
+            if self.max_staleness != 0:
+                fail(f"lockstep=True with max_staleness={self.max_staleness}: must be 0 "
+                     "(on-policy)")
+
+    @property
+    def effective_queue_capacity(self) -> int:
+        return self.queue_capacity or 2 * self.batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorConfig(Section):
+    """How actors sample, group, delay and step environments."""
+    actor_batch: int = option(8, "Prompts an actor generates together (one rollout each).")
+    temperature: float = option(1.0, "Sampling temperature of training rollouts (the learner "
+                                "scores with the same).")
+    top_p: float = option(1.0, "Nucleus sampling mass of training rollouts; 1: off.")
+    max_new_tokens: int = option(0, "Tokens a model turn may generate; 0: the task's default.")
+    variable_update_period_s: float = option(0.05, "How often actors poll the variable server "
+                                             "for a new version.")
+    group_size: int = option(1, "G rollouts per prompt, inserted as a group (GRPO); 1 is "
+                             "single-rollout.")
+    actor_delay: str = option("none", "An injected per-rollout delay: none, fixed, uniform or "
+                              "heavy_tailed (a drift experiment).")
+    actor_delay_mean_s: float = option(0.0, "Mean injected delay in seconds (fixed: the delay; "
+                                       "uniform: U(0, 2 * mean)).")
+    actor_delay_max_s: float = option(10.0, "Cap on one injected delay in seconds.")
+    actor_delay_tail: float = option(1.5, "heavy_tailed: the Pareto (Lomax) shape, > 1; "
+                                     "smaller is heavier.")
+    max_turns: int = option(0, "Model turns per episode; 0: the task's default.")
+    env_threads: int = option(0, "Threads stepping environments per actor so tool calls and "
+                              "rewards overlap generation (1: inline); 0: the task's default.")
+    tool_latency: str = option("lognormal:0.02,1.0", "Delay per tool call: none, constant:S, "
+                               "uniform:LO,HI, exponential:MEAN, lognormal:MEDIAN,SIGMA or "
+                               "pareto:SCALE,ALPHA.")
+    tool_timeout_s: float = option(1.0, "A tool call slower than this becomes a timeout "
+                                   "observation.")
+    shift_every: int = option(20, "task=online_shift: the reward rule flips every this many "
+                              "policy versions.")
+    actor_spool: bool = option(True, "Actors keep each completed rollout on disk until it is "
+                               "delivered (re-inserted after an actor crash).")
+
+    def check(self, fail: Fail) -> None:
+        from sao_actor_learner.latency import parse_latency   # numpy only
+        at_least(self, ("actor_batch", "max_new_tokens"), 1, fail)
+        if self.temperature <= 0.0:
+            fail(f"temperature={self.temperature}: training rollouts need temperature > 0; "
+                 "greedy sampling has no valid behaviour log-probs for importance sampling")
+        if not 0.0 < self.top_p <= 1.0:
+            fail(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.variable_update_period_s <= 0:
+            fail(f"variable_update_period_s={self.variable_update_period_s}: must be > 0")
+        choice(self, "actor_delay", ACTOR_DELAYS, fail)
+        G = self.group_size
+        if G < 1:
+            fail(f"group_size={G}: must be >= 1 (rollouts per prompt; 1 is single-rollout)")
+        if self.actor_batch % G:
+            fail(f"actor_batch={self.actor_batch} is not a multiple of group_size={G}: actors "
+                 "generate whole groups; make actor_batch a multiple of group_size")
+        if self.actor_delay_mean_s < 0:
+            fail(f"actor_delay_mean_s={self.actor_delay_mean_s}: must be >= 0")
+        if self.actor_delay != "none" and self.actor_delay_mean_s <= 0:
+            fail(f"actor_delay={self.actor_delay!r} with actor_delay_mean_s="
+                 f"{self.actor_delay_mean_s}: set actor_delay_mean_s > 0, or actor_delay=none")
+        if self.actor_delay_max_s <= 0:
+            fail(f"actor_delay_max_s={self.actor_delay_max_s}: must be > 0")
+        if self.actor_delay_tail <= 1.0:
+            fail(f"actor_delay_tail={self.actor_delay_tail}: the Pareto shape must be > 1 (a "
+                 "shape <= 1 has no finite mean, so actor_delay_mean_s could not be its mean)")
+        for field in ("max_turns", "env_threads"):
+            if getattr(self, field) < 1:
+                fail(f"{field}={getattr(self, field)}: must be >= 1 (0 picks the task's default)")
+        try:
+            parse_latency(self.tool_latency)
+        except ValueError as e:
+            fail(f"tool_latency={self.tool_latency!r}: {e}")
+        if not self.tool_timeout_s > 0:
+            fail(f"tool_timeout_s={self.tool_timeout_s}: must be > 0 (seconds a tool call may take)")
+        if self.shift_every < 1:
+            fail(f"shift_every={self.shift_every}: must be >= 1 (policy versions per reward phase)")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig(Section):
+    """The generation engine: the built-in torch engine or a vLLM server per node."""
+    engine: str = option("torch", "Generation engine: torch (in-process) or vllm (a vLLM "
+                         "server per actor, in its own venv).")
+    vllm_weight_sync_mode: str = option("keep", "keep: in-flight requests continue on the new "
+                                        "weights; abort: they are restarted.")
+    vllm_python: str = option("", "The vLLM environment's python; empty: $SAO_VLLM_PYTHON or "
+                              ".venv-vllm/bin/python.")
+    vllm_start_timeout_s: float = option(300.0, "A vLLM server not healthy by then is an "
+                                         "error (with its log).")
+    vllm_max_restarts: int = option(3, "Restarts of a dead vLLM server per engine before "
+                                    "errors propagate.")
+    vllm_kv_cache_gb: int = option(1, "KV cache of each vLLM server in GiB "
+                                   "(VLLM_CPU_KVCACHE_SPACE on CPU).")
+    vllm_enforce_eager: bool = option(True, "No torch.compile in the vLLM server (starts ~2x "
+                                      "faster on CPU).")
+    vllm_evaluator: bool = option(False, "The evaluator uses vLLM too (default: the torch "
+                                  "engine).")
+
+    def check(self, fail: Fail) -> None:
+        choice(self, "engine", ENGINES, fail)
+        if self.vllm_weight_sync_mode not in VLLM_WEIGHT_SYNC_MODES:
+            fail(f"vllm_weight_sync_mode={self.vllm_weight_sync_mode!r}: must be one of "
+                 f"{', '.join(VLLM_WEIGHT_SYNC_MODES)} (keep: in-flight requests continue on the "
+                 "new weights; abort: they are aborted and restarted)")
+        if not self.vllm_start_timeout_s > 0:
+            fail(f"vllm_start_timeout_s={self.vllm_start_timeout_s}: must be > 0 seconds")
+        if self.vllm_max_restarts < 0:
+            fail(f"vllm_max_restarts={self.vllm_max_restarts}: must be >= 0 (0: never restart)")
+        if self.vllm_kv_cache_gb < 1:
+            fail(f"vllm_kv_cache_gb={self.vllm_kv_cache_gb}: must be >= 1 (GiB of KV cache)")
+        if self.engine == "vllm":
+            python = resolve_vllm_python(self.vllm_python)
+            if not os.path.exists(python):
+                fail(f"engine='vllm' needs the vLLM environment: vllm_python={python!r} does not "
+                     "exist; build it with `make vllm-env` or set --vllm_python to a python with "
+                     "vllm installed")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetConfig(Section):
+    """task=dataset: the files, how prompts are rendered, and the reward."""
+    train_files: Tuple[str, ...] = option((), "Training prompts: .jsonl / .parquet files in "
+                                          "verl's schema (or mapped with --prompt_key).")
+    eval_files: Tuple[str, ...] = option((), "Held-out prompts, scored with the same reward.")
+    prompt_key: str = option("prompt", "The column with the prompt (a string or chat "
+                             "messages).")
+    answer_key: str = option("reward_model.ground_truth", "The ground-truth column; dots reach "
+                             "into nested columns.")
+    apply_chat_template: Optional[bool] = option(None, "Render prompts with the tokenizer's "
+                                                 "chat template; unset: when it has one.")
+    chat_template_kwargs: str = option("", "A JSON object for the chat template, e.g. "
+                                       "{\"enable_thinking\": false}.")
+    system_prompt: str = option("", "A system message put before every prompt.")
+    instruction_suffix: str = option("", "Text appended to the last user message of every "
+                                     "prompt.")
+    max_prompt_length: int = option(0, "Longer prompts (tokens) are left out and counted; 0: "
+                                    "max_sequence_length - max_new_tokens.")
+    shuffle: bool = option(True, "A seeded permutation of the training rows in every epoch.")
+    reward: str = option("gsm8k", "gsm8k, exact, math_verify, or path/to/file.py:fn with "
+                         "verl's compute_score(data_source, solution_str, ground_truth, "
+                         "extra_info).")
+    reward_timeout_s: float = option(5.0, "A reward call slower than this scores 0 (counted).")
+    reward_workers: int = option(2, "Worker processes per node for math_verify and file.py:fn "
+                                 "rewards.")
+
+    def check(self, fail: Fail) -> None:
+        if self.chat_template_kwargs:
+            try:
+                kwargs = json.loads(self.chat_template_kwargs)
+            except ValueError as e:
+                fail(f"chat_template_kwargs={self.chat_template_kwargs!r} is not JSON ({e}); "
+                     "give a JSON object, e.g. '{\"enable_thinking\": false}'")
+            if not isinstance(kwargs, dict):
+                fail(f"chat_template_kwargs={self.chat_template_kwargs!r}: must be a JSON object")
+        if not self.reward_timeout_s > 0:
+            fail(f"reward_timeout_s={self.reward_timeout_s}: must be > 0 seconds")
+        if self.reward_workers < 1:
+            fail(f"reward_workers={self.reward_workers}: must be >= 1")
+        for field in ("train_files", "eval_files"):
+            for path in getattr(self, field):
+                if not path.endswith((".jsonl", ".parquet")):
+                    fail(f"{field} entry {path!r}: must be a .jsonl or .parquet file")
+                if not os.path.isfile(path):
+                    fail(f"{field} entry {path!r}: no such file")
+
+    @property
+    def template_kwargs(self) -> dict:
+        """chat_template_kwargs parsed (check() has made sure it is a JSON object)."""
+        return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig(Section):
+    """The evaluator: held-out accuracy of the newest policy."""
+    eval_every: int = option(10, "Evaluate every this many versions (versions 0 and max_steps "
+                             "always); 0: only those two.")
+    eval_size: int = option(200, "Held-out prompts (dataset task: the first of --eval_files).")
+    eval_pass_k: int = option(0, "Also report pass@k with k samples at --temperature; 0: off.")
+
+    def check(self, fail: Fail) -> None:
+        if self.eval_every < 0:
+            fail(f"eval_every={self.eval_every}: must be >= 0")
+        at_least(self, ("eval_size",), 1, fail)
+        if self.eval_pass_k < 0 or self.eval_pass_k == 1:
+            fail(f"eval_pass_k={self.eval_pass_k}: must be 0 (off) or >= 2 samples per prompt")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig(Section):
+    """Scale-out, restarts and security."""
+    ray_address: str = option("", "launch=ray: empty starts a local Ray (or uses this process's "
+                              "ray.init()); auto or ray://HEAD:10001 joins a cluster.")
+    ray_resources: Tuple[str, ...] = option((), "launch=ray: GROUP:CPUS[:GPUS] reserved by each "
+                                            "node of GROUP, e.g. learner:1:1,actor:1.")
+    restart_groups: Tuple[str, ...] = option(("actor", "evaluator"), "Crashed nodes of these "
+                                             "groups are restarted (the learner resumes from "
+                                             "its checkpoint and journal).")
+    max_restarts: int = option(3, "Restarts per node; one crash more fails the run.")
+    restart_backoff_s: float = option(1.0, "Wait before a node's first restart; doubles per "
+                                      "restart (at most 30 s).")
+    resume: bool = option(False, "Continue the run in run_dir (checkpoints, journal, replay, "
+                          "spools); otherwise they are cleared first.")
+    bind_host: str = option("127.0.0.1", "Interface the variable server binds; another needs "
+                            "an auth token (--auth_token or $SAO_AUTH_TOKEN).")
+    tls_cert: str = option("", "PEM certificate chain: the variable server speaks TLS only.")
+    tls_key: str = option("", "PEM private key of --tls_cert.")
+
+    def check(self, fail: Fail) -> None:
+        for group in self.restart_groups:
+            if group not in PROGRAM_GROUPS:
+                fail(f"restart_groups contains {group!r}: must name groups of the program "
+                     f"({', '.join(PROGRAM_GROUPS)})")
+        if self.max_restarts < 0:
+            fail(f"max_restarts={self.max_restarts}: must be >= 0 (0: a crash fails the run)")
+        if self.restart_backoff_s < 0:
+            fail(f"restart_backoff_s={self.restart_backoff_s}: must be >= 0 seconds")
+        try:
+            parse_ray_resources(self.ray_resources)
+        except ValueError as e:
+            fail(str(e))
+        if bool(self.tls_cert) != bool(self.tls_key):
+            fail(f"tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r}: give both (TLS on the "
+                 "variable server) or neither")
+        for field in ("tls_cert", "tls_key"):
+            path = getattr(self, field)
+            if path and not os.path.isfile(path):
+                fail(f"{field}={path!r}: no such file (a PEM file)")
+        if not self.bind_host or any(c in self.bind_host for c in " /"):
+            fail(f"bind_host={self.bind_host!r}: must be an interface address such as 127.0.0.1 "
+                 "or 0.0.0.0")
+
+
+def parse_ray_resources(entries) -> dict:
+    """{group: {"num_cpus": c, "num_gpus": g}} from entries "GROUP:CPUS[:GPUS]"."""
+    out = {}
+    for entry in entries:
+        parts = str(entry).split(":")
+        if len(parts) not in (2, 3) or parts[0] not in PROGRAM_GROUPS:
+            raise ValueError(f"ray_resources entry {entry!r}: must be GROUP:CPUS[:GPUS] with "
+                             f"GROUP one of {', '.join(PROGRAM_GROUPS)}, e.g. learner:1:1")
+        try:
+            amounts = [float(x) for x in parts[1:]]
+        except ValueError:
+            raise ValueError(f"ray_resources entry {entry!r}: CPUS and GPUS must be numbers, "
+                             "e.g. actor:1 or learner:2:1") from None
+        if any(a < 0 for a in amounts):
+            raise ValueError(f"ray_resources entry {entry!r}: amounts must be >= 0")
+        if parts[0] in out:
+            raise ValueError(f"ray_resources names group {parts[0]!r} twice")
+        out[parts[0]] = {"num_cpus": amounts[0], "num_gpus": amounts[1] if len(amounts) > 1
+                         else 0.0}
+    return out
