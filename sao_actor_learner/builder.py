@@ -10,6 +10,7 @@ import os
 import secrets
 from typing import Optional
 
+from sao_actor_learner import core
 from sao_actor_learner.config import SAOConfig
 
 
@@ -223,46 +224,99 @@ def make_engine(config: SAOConfig, role: str = "actor", run_dir: Optional[str] =
     return TorchEngine.from_checkpoint(config.model)
 
 
+def assemble_learner(config: SAOConfig, policy, critic=None, source=None, *, publisher=None,
+                     serialize=None, logger=None, tokenizer=None, checkpoint_root=None,
+                     token_limit=None, pad_id: int = 0, collective=None):
+    """The Learner of `config` from its parts: the policy trainer, the estimator of
+    config.algorithm (sao needs `critic`, already frozen), the sampler over `source`; each part
+    gets only its section (LearnerConfig) and the few other fields it needs."""
+    from sao_actor_learner.config.learner import LearnerConfig
+    from sao_actor_learner.learner import distributed
+    from sao_actor_learner.learner.estimators import make_estimator
+    from sao_actor_learner.learner.learner import Learner
+    from sao_actor_learner.learner.policy import PolicyTrainer
+    from sao_actor_learner.learner.sampling import GroupSampler, RolloutSampler
+
+    collective = collective or distributed.SINGLE
+    section = config.section(LearnerConfig)
+    trainer = PolicyTrainer(policy, section, temperature=config.temperature, top_p=config.top_p,
+                            token_limit=token_limit, collective=collective)
+    estimator = make_estimator(section, critic, collective)
+    if config.algorithm == "grpo":
+        sampler = GroupSampler(source, config.max_staleness, config.group_size)
+    else:
+        sampler = RolloutSampler(source, config.max_staleness)
+    return Learner(trainer, estimator, sampler, max_steps=config.max_steps,
+                   batch_size=config.batch_size // collective.world_size,
+                   pretrain_steps=config.value_pretrain_steps,
+                   pretrain_min_ev=config.value_pretrain_min_ev,
+                   warmup_steps=config.critic_warmup_steps,
+                   checkpoint_every=config.checkpoint_every, publisher=publisher,
+                   serialize=serialize, logger=logger, checkpoint_root=checkpoint_root,
+                   tokenizer=tokenizer, keep_checkpoints=config.keep_checkpoints, pad_id=pad_id,
+                   collective=collective)
+
+
 def make_learner(config: SAOConfig, replay_address: str, variables_address: str,
-                 publisher_token: str, run_dir: Optional[str] = None, auth_token: str = ""):
-    """The learner node. It resumes when run_dir holds a learner checkpoint or journal (a
-    restart after a crash, or --resume): weights, critic, optimisers, version, counters and RNG
-    state from the newest checkpoint, then the rollouts sampled after it from the journal
+                 publisher_token: str, run_dir: Optional[str] = None, auth_token: str = "",
+                 rank: int = 0, group_address: str = ""):
+    """A learner node (rank `rank` of config.learners; `group_address` is the learner group's
+    rendezvous node). It resumes when run_dir holds a learner checkpoint or journal (a restart
+    after a crash, or --resume): weights, critic, optimisers, version, counters and RNG state
+    from the newest checkpoint, then the rollouts sampled after it from its journal
     (learner/journal.py), so the steps lost in the crash are redone exactly."""
-    setup_process(config, offset=10_000)
+    setup_process(config, offset=10_000 + rank)
+    if config.learners == 1:
+        return _build_learner(config, replay_address, variables_address, publisher_token,
+                              run_dir, auth_token)
+    return LearnerRank(config, replay_address, variables_address, publisher_token, run_dir,
+                       auth_token, rank, group_address)
+
+
+def _build_learner(config: SAOConfig, replay_address: str, variables_address: str,
+                   publisher_token: str, run_dir: Optional[str], auth_token: str,
+                   collective=None):
+    import torch
+
+    from sao_actor_learner.learner import distributed
     from sao_actor_learner.learner import journal as journal_lib
-    from sao_actor_learner.learner.sao import SAOLearner
     from sao_actor_learner.models import checkpoint as ckpt
     from sao_actor_learner.models.value import ValueModel
     from sao_actor_learner.observers import MetricsLogger
     from sao_actor_learner.variables import VariablePublisher
 
+    collective = collective or distributed.SINGLE
     run_dir = run_dir or config.run_dir
-    resume = journal_lib.ResumePoint(os.path.join(run_dir, "checkpoints"))
+    root = os.path.join(run_dir, "checkpoints")
+    resume = journal_lib.ResumePoint(root, rank=collective.rank)
     policy, tokenizer = ckpt.load_policy(resume.checkpoint or config.model)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    policy.to(device)
+    critic = None
     if config.algorithm == "sao":
         # A resumed learner's critic weights come from its checkpoint (resume.restore).
         critic = ValueModel.load(config.critic_model) if config.critic_model else \
             ValueModel.from_policy(policy)
         critic.freeze(config.critic_frozen_patterns)
-        learner_cls, args = SAOLearner, (config, policy, critic)
-    elif config.algorithm == "grpo":
-        from sao_actor_learner.learner.grpo import GRPOLearner
-        learner_cls, args = GRPOLearner, (config, policy)
-    else:
-        from sao_actor_learner.learner.baselines import CriticFreeLearner
-        learner_cls, args = CriticFreeLearner, (config, policy)
-    learner = learner_cls(
-        *args,
-        reader=resume.reader(lambda on_fetched: _learner_reader(config, replay_address,
+        critic.to(device)
+        distributed.prepare_module(critic, config.learner_strategy, collective,
+                                   layers=getattr(critic.body, "layers", ()))
+    from sao_actor_learner.models.value import base_model_of
+    distributed.prepare_module(policy, config.learner_strategy, collective,
+                               layers=getattr(base_model_of(policy), "layers", ()))
+    learner = assemble_learner(
+        config, policy, critic,
+        source=resume.reader(lambda on_fetched: _learner_reader(config, replay_address,
                                                                 on_fetched, resume)),
         publisher=VariablePublisher(variables_address, publisher_token,
-                                    **_variables_client_security(config, auth_token)),
-        serialize=ckpt.state_dict_to_buffers,   # issue 8: streamed without a joined copy
-        logger=MetricsLogger(run_dir, "learner"),
-        checkpoint_fn=lambda learner, step: save_learner_checkpoint(
-            learner, tokenizer, run_dir, step, keep=config.keep_checkpoints),
-        pad_id=tokenizer.pad_id, token_limit=ckpt.token_limit(policy, tokenizer))
+                                    **_variables_client_security(config, auth_token))
+        if collective.is_main else None,
+        serialize=ckpt.state_dict_to_buffers,   # streamed without a joined copy
+        logger=MetricsLogger(run_dir, "learner") if collective.is_main else None,
+        tokenizer=tokenizer, checkpoint_root=root,
+        token_limit=ckpt.token_limit(policy, tokenizer), pad_id=tokenizer.pad_id,
+        collective=collective)
     resume.restore(learner)
     return learner
 
@@ -277,40 +331,58 @@ def _learner_reader(config: SAOConfig, replay_address: str, on_fetched, resume):
     return RolloutReader(replay_address, on_fetched=on_fetched)
 
 
-def save_learner_checkpoint(learner, tokenizer, run_dir: str, step: int, keep: int = 0) -> str:
-    """Writes checkpoints/step_<step>/ atomically: the policy as a Hugging Face checkpoint and
-    learner_state.pt (critic, optimisers, version, counters, RNG state: learner_state()); then
-    starts the learner's journal segment after it and keeps the newest `keep` (0: all)."""
-    import shutil
+class LearnerRank(core.Worker):
+    """A rank of a learner group (a core.Worker): joins the group, then builds and runs its
+    learner. The group forms in run() because every rank must be up before any returns."""
 
-    import torch
+    def __init__(self, config: SAOConfig, replay_address: str, variables_address: str,
+                 publisher_token: str, run_dir: Optional[str], auth_token: str, rank: int,
+                 group_address: str):
+        if not group_address:
+            raise ValueError("a learner group rank needs the group's rendezvous address")
+        self._args = (config, replay_address, variables_address, publisher_token, run_dir,
+                      auth_token)
+        self.rank, self.group_address = rank, group_address
+        self.learner = None
+        self._stopped = False
 
-    from sao_actor_learner.learner import journal as journal_lib
-    from sao_actor_learner.models import checkpoint as ckpt
+    def run(self) -> None:
+        from sao_actor_learner.learner import distributed
+        config = self._args[0]
+        collective = distributed.init_process_group(self.rank, config.learners,
+                                                    self.group_address,
+                                                    timeout_s=config.collective_timeout_s)
+        self.learner = _build_learner(*self._args, collective=collective)
+        if self._stopped:
+            return
+        self.learner.run()
 
-    root = os.path.join(run_dir, "checkpoints")
-    path = journal_lib.checkpoint_path(root, step)
-    if getattr(learner, "_checkpointed_version", None) == step and os.path.exists(path):
-        return path   # the final checkpoint of a run that just wrote this one
+    def stop(self) -> None:
+        self._stopped = True
+        if self.learner is not None:
+            self.learner.stop()
 
-    def commit() -> str:
-        tmp = f"{path}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        ckpt.save_checkpoint(learner.policy, tokenizer, tmp)
-        torch.save(learner.learner_state(), os.path.join(tmp, journal_lib.LEARNER_STATE_FILE))
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-        return path
 
-    reader = getattr(learner, "_reader", None)
-    if hasattr(reader, "rotate"):
-        reader.rotate(step, commit)
-    else:
-        commit()
-    learner._checkpointed_version = step
-    journal_lib.prune_checkpoints(root, keep)
-    return path
+def make_learner_group_store(config: SAOConfig, port: int = 0):
+    """The learner group's rendezvous node (config.learners > 1)."""
+    return LearnerGroupStore(config, port)
+
+
+class LearnerGroupStore(core.Worker):
+    """The learner group's rendezvous node (a core.Worker): a TCP store on its port."""
+
+    def __init__(self, config: SAOConfig, port: int = 0, host: str = "127.0.0.1"):
+        import threading
+
+        from sao_actor_learner.learner import distributed
+        self._store = distributed.serve_store(host, port, config.collective_timeout_s)
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        self._stop.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_address: str,
@@ -405,8 +477,14 @@ def make_program(config: SAOConfig, run_dir: Optional[str] = None, actor_factory
         variables = program.add_node(lp.ServiceNode(make_variable_server, config, token,
                                                     **secure))
     with program.group("learner"):
-        program.add_node(lp.PyNode(make_learner, config, replay, variables, token, run_dir,
-                                   **secure))
+        if config.learners == 1:
+            program.add_node(lp.PyNode(make_learner, config, replay, variables, token, run_dir,
+                                       **secure))
+        else:   # a rendezvous node, then one node per rank
+            store = program.add_node(lp.ServiceNode(make_learner_group_store, config))
+            for rank in range(config.learners):
+                program.add_node(lp.PyNode(make_learner, config, replay, variables, token,
+                                           run_dir, rank=rank, group_address=store, **secure))
     with program.group("actor"):
         for i in range(config.num_actors):
             program.add_node(lp.PyNode(actor_factory or make_actor, config, i, replay, variables,

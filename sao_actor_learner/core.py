@@ -5,6 +5,7 @@ Engine       generates tokens with per-token log-probs and policy versions.
 Task         hands out prompts and makes an Environment per episode; scores answers.
 Environment  one episode: takes the model's turn, answers with observation tokens and a reward.
 VariableSource  something that holds policy variables (the learner, the variable server).
+RolloutSource   where the learner's rollouts come from (replay, through its journal).
 Worker       anything a launcher runs: `run()` until done or until `stop()` is called.
 """
 from __future__ import annotations
@@ -205,6 +206,37 @@ class VariableSource(abc.ABC):
     @abc.abstractmethod
     def get_variables(self) -> Tuple[int, dict]:
         """(version, state_dict) of the newest policy."""
+
+
+class RolloutSource(abc.ABC):
+    """Where a learner's rollouts come from: replay, through the learner's journal."""
+
+    @abc.abstractmethod
+    def sample(self, n: int, timeout_s: float) -> List["Rollout"]:
+        """Up to n rollouts, oldest first; fewer (possibly none) once `timeout_s` has passed."""
+
+    def queue_size(self) -> int:
+        """Rollouts waiting in replay; -1 when unknown."""
+        return -1
+
+    def checkpoint(self, after_step: int, commit):
+        """Runs `commit()`, which writes the learner checkpoint of version `after_step`, such
+        that a crash at any moment leaves a checkpoint and every rollout sampled after it
+        (the journal's job); returns commit()'s result."""
+        return commit()
+
+    @property
+    def replaying(self) -> bool:
+        """Whether rollouts of a crashed predecessor are still being handed back."""
+        return False
+
+    @property
+    def buffered(self) -> int:
+        """Rollouts taken from replay that no sample() has returned yet."""
+        return 0
+
+    def close(self) -> None:
+        """Releases connections and files."""
 
 
 class Worker(abc.ABC):

@@ -5,6 +5,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 
 if "triton" not in sys.modules:  # as in test_learner.py: the Triton interpreter must be chosen
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads (learner -> kernels)
@@ -17,10 +18,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from sao_actor_learner import core
 from sao_actor_learner.actors.actor import Actor
 from sao_actor_learner.actors.delays import make_delay_sampler, sample_delays
-from sao_actor_learner.builder import make_program
+from sao_actor_learner.builder import assemble_learner, make_program
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.learner import baselines, grpo
-from sao_actor_learner.learner.sao import SAOLearner
 from sao_actor_learner.models.value import ValueModel
 from sao_actor_learner.observers import read_metrics
 from sao_actor_learner.run import run_program
@@ -125,23 +125,23 @@ def rollouts_for(learner, groups, G, version=0, seed=0, noise=0.0):
                                rewards=[0.0] * (len(tokens) - 1) + [float(rng.integers(0, 2))],
                                prompt_id=100 * seed + g))
     with torch.no_grad():
-        logp = learner.policy_logprobs(collate(out))
+        logp = learner.policy_trainer.logprobs(collate(out))
     for i, r in enumerate(out):
         jitter = noise * rng.normal(size=r.length)
         r.rollout_logp = ((logp[i, :r.length].numpy() + jitter) * r.action_mask).astype(np.float32)
     return out
 
 
-def grpo_learner(**overrides):
+def grpo_learner(source=None, **overrides):
     config = SAOConfig(**{"algorithm": "grpo", "group_size": 4, "batch_size": 8, "actor_batch": 4,
                           "max_steps": 5, "policy_loss": "ppo_clip", "fused_logprobs": False,
                           **overrides})
-    return grpo.GRPOLearner(config, tiny_policy())
+    return assemble_learner(config, tiny_policy(), source=source)
 
 
 def test_grpo_update_trains_the_policy_without_a_critic():
     learner = grpo_learner(policy_minibatches=2)
-    assert learner.critic is None and learner.critic_opt is None
+    assert not learner.estimator.has_critic
     batch = collate(rollouts_for(learner, 2, 4))
     before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
     stats = learner.update(batch)
@@ -151,15 +151,15 @@ def test_grpo_update_trains_the_policy_without_a_critic():
     assert stats["ppo_ratio_max"] > 1.0  # the second minibatch sees the moved policy
     for key in ("value_loss", "explained_variance", "clip_frac", "masked_frac", "ess"):
         assert key in stats
-    est = learner.compute_advantages(batch)
+    est = learner.estimator.estimate(batch)
     for g in range(2):  # advantages are centred within each group
-        rows = est["advantages"][4 * g:4 * g + 4]
+        rows = est.advantages[4 * g:4 * g + 4]
         mask = batch.action_mask[4 * g:4 * g + 4]
         per_rollout = rows.sum(1) / mask.sum(1)
         assert float(per_rollout.sum()) == pytest.approx(0.0, abs=1e-5)
 
 
-class FakeReader:
+class FakeReader(core.RolloutSource):
     """Hands out queued rollouts in order, like the FIFO replay table."""
 
     def __init__(self, rollouts):
@@ -174,7 +174,7 @@ class FakeReader:
 
 
 def test_grpo_sampling_assembles_whole_groups_and_drops_stale_ones():
-    learner = grpo_learner(max_staleness=1)
+    learner = grpo_learner(max_staleness=1, source=FakeReader([]))
     learner.version = 3
     fresh = rollouts_for(learner, 3, 4, version=2, seed=1)
     stale = rollouts_for(learner, 1, 4, version=1, seed=2)  # staleness 2 > 1
@@ -182,15 +182,16 @@ def test_grpo_sampling_assembles_whole_groups_and_drops_stale_ones():
     # Two actors' groups arrive interleaved, with a stale group in between.
     order = [a[0], b[0], a[1], stale[0], b[1], a[2], stale[1], b[2], a[3], stale[2], stale[3],
              b[3], c[0], c[1], c[2], c[3]]
-    learner._reader = FakeReader(order)
-    got, _, dropped = learner.sample_fresh(8)
+    learner.source.items = order
+    got, _, dropped = learner.sampler.sample(8, learner.version, threading.Event())
     assert dropped == 4 and learner.dropped_stale == 4
     groups = [tuple(r.group_id for r in got[i:i + 4]) for i in (0, 4)]
     assert all(len(set(g)) == 1 for g in groups)  # whole groups, contiguous
     assert {g[0] for g in groups} == {a[0].group_id, b[0].group_id}
     d = rollouts_for(learner, 1, 4, version=3, seed=3)
-    learner._reader.items += d
-    got, _, dropped = learner.sample_fresh(8)  # group c waited in the assembler
+    learner.source.items += d
+    got, _, dropped = learner.sampler.sample(8, learner.version, threading.Event())
+    # group c waited in the assembler
     assert [r.group_id for r in got] == [c[0].group_id] * 4 + [d[0].group_id] * 4
     assert dropped == 0
 
@@ -210,27 +211,27 @@ def test_group_assembler_keeps_partial_groups_until_complete_or_stale():
 def test_critic_free_learner_uses_the_tracked_baseline():
     config = SAOConfig(algorithm="critic_free", baseline="per_prompt", batch_size=4,
                        actor_batch=4, normalize_advantages=False, fused_logprobs=False)
-    learner = baselines.CriticFreeLearner(config, tiny_policy())
+    learner = assemble_learner(config, tiny_policy())
     batch = collate(rollouts_for(learner, 4, 1))
     rewards = batch.rewards.sum(1)
-    est = learner.compute_advantages(batch)  # first batch: the batch mean is the baseline
-    np.testing.assert_allclose(est["baseline"].numpy(), np.full(4, rewards.mean().item()))
-    per_token = est["advantages"].sum(1) / batch.action_mask.sum(1)
+    est = learner.estimator.estimate(batch)  # first batch: the batch mean is the baseline
+    np.testing.assert_allclose(est.baseline.numpy(), np.full(4, rewards.mean().item()))
+    per_token = est.advantages.sum(1) / batch.action_mask.sum(1)
     np.testing.assert_allclose(per_token.numpy(), (rewards - rewards.mean()).numpy(), atol=1e-6)
-    est2 = learner.compute_advantages(batch)  # same prompts again: their own tracked values
-    np.testing.assert_allclose(est2["baseline"].numpy(), rewards.numpy(), atol=1e-6)
+    est2 = learner.estimator.estimate(batch)  # same prompts again: their own tracked values
+    np.testing.assert_allclose(est2.baseline.numpy(), rewards.numpy(), atol=1e-6)
     stats = learner.update(batch)
     assert stats["masked_frac"] == 0.0 and "explained_variance" in stats
 
 
 @pytest.mark.parametrize("loss", ["dis", "ppo_clip", "tis", "icepop", "none"])
 def test_sao_learner_trains_with_every_policy_loss(loss):
-    config = SAOConfig(batch_size=4, max_steps=5, policy_loss=loss, fused_logprobs=False,
-                       policy_minibatches=2)
+    config = SAOConfig(batch_size=4, actor_batch=4, max_steps=5, policy_loss=loss,
+                       fused_logprobs=False, policy_minibatches=2)
     policy = tiny_policy()
     critic = ValueModel.from_policy(policy)
     critic.freeze(config.critic_frozen_patterns)
-    learner = SAOLearner(config, policy, critic)
+    learner = assemble_learner(config, policy, critic)
     batch = collate(rollouts_for(learner, 4, 1, noise=1.0))  # off-policy: corrections act
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     stats = learner.update(batch)

@@ -20,7 +20,7 @@ from sao_actor_learner.actors.rollout import run_episodes
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.learner import advantages as adv_lib
 from sao_actor_learner.learner import losses
-from sao_actor_learner.learner.sao import SAOLearner
+from sao_actor_learner.builder import assemble_learner
 from sao_actor_learner.models import CharTokenizer, make_tiny_model
 from sao_actor_learner.models.value import ValueModel
 from sao_actor_learner.tasks import make_task, tools
@@ -314,11 +314,11 @@ def test_oracle_agent_solves_tool_episodes_and_errors_are_counted():
 
 
 def _learner(policy, gae="skip_observation"):
-    config = SAOConfig(task="calculator_tool", batch_size=6, max_steps=5, init_checkpoint="x",
-                       gae=gae)
+    config = SAOConfig(task="calculator_tool", batch_size=6, actor_batch=6, max_steps=5,
+                       init_checkpoint="x", gae=gae)
     critic = ValueModel.from_policy(policy)
     critic.freeze(config.critic_frozen_patterns)
-    return SAOLearner(config, policy, critic, pad_id=TOK.pad_id)
+    return assemble_learner(config, policy, critic, pad_id=TOK.pad_id)
 
 
 def test_skip_observation_gae_equals_plain_gae_on_the_action_only_subsequence():
@@ -328,7 +328,8 @@ def test_skip_observation_gae_equals_plain_gae_on_the_action_only_subsequence():
     assert ((batch.action_mask == 0) & (batch.attention_mask == 1)).sum() > 0
     learner = _learner(make_tiny_model("llama", vocab_size=TOK.vocab_size, seed=1))
     with torch.no_grad():
-        values = learner.critic.values_for_tokens(batch.tokens, batch.attention_mask).double()
+        values = learner.estimator.critic.values_for_tokens(batch.tokens,
+                                                            batch.attention_mask).double()
     mask = batch.action_mask.bool()
     lam = adv_lib.length_adaptive_lambda(mask.sum(1), 1.5).double()
     A, R = adv_lib.skip_observation_gae(batch.rewards.double(), values, mask, 1.0, lam)
@@ -353,14 +354,14 @@ def test_observation_and_prompt_tokens_get_zero_advantage_and_zero_gradient(gae)
     learner = _learner(policy, gae)
     batch = collate(rollouts, TOK.pad_id)
     with torch.no_grad():  # on-policy log-probs, so every action token is inside the DIS band
-        batch.rollout_logp = learner.policy_logprobs(batch) * batch.action_mask
-    est = learner.compute_advantages(batch)
+        batch.rollout_logp = learner.policy_trainer.logprobs(batch) * batch.action_mask
+    est = learner.estimator.estimate(batch)
     off = batch.action_mask == 0
-    assert (est["advantages"][off] == 0).all() and (est["returns"][off] == 0).all()
-    assert (est["advantages"][~off] != 0).any()
-    logp = learner.policy_logprobs(batch)
+    assert (est.advantages[off] == 0).all() and (est.returns[off] == 0).all()
+    assert (est.advantages[~off] != 0).any()
+    logp = learner.policy_trainer.logprobs(batch)
     logp.retain_grad()
-    loss, stats = losses.dis_policy_loss(logp, batch.rollout_logp, est["advantages"],
+    loss, stats = losses.dis_policy_loss(logp, batch.rollout_logp, est.advantages,
                                          batch.action_mask, 0.3, 5.0)
     loss.backward()
     assert stats["masked_frac"] == 0.0
@@ -371,7 +372,7 @@ def test_observation_and_prompt_tokens_get_zero_advantage_and_zero_gradient(gae)
     logits = policy(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
     logits.retain_grad()
     lp = losses.token_logprobs(logits, batch.tokens, 1.0)
-    loss2, _ = losses.dis_policy_loss(lp, batch.rollout_logp, est["advantages"],
+    loss2, _ = losses.dis_policy_loss(lp, batch.rollout_logp, est.advantages,
                                       batch.action_mask, 0.3, 5.0)
     loss2.backward()
     predicts_off = off[:, 1:]  # logits[:, t-1] predict token t

@@ -20,11 +20,10 @@ import launch_fixtures as fx  # noqa: E402
 
 from sao_actor_learner import launch as lp  # noqa: E402
 from sao_actor_learner.actors.spool import RolloutSpool, read_ledger  # noqa: E402
-from sao_actor_learner.builder import (make_program, make_replay_server,  # noqa: E402
-                                       save_learner_checkpoint, setup_process)
+from sao_actor_learner.builder import (assemble_learner, make_program,  # noqa: E402
+                                      make_replay_server, setup_process)
 from sao_actor_learner.config import SAOConfig  # noqa: E402
 from sao_actor_learner.learner.journal import ResumePoint  # noqa: E402
-from sao_actor_learner.learner.sao import SAOLearner  # noqa: E402
 from sao_actor_learner.models import checkpoint as ckpt  # noqa: E402
 from sao_actor_learner.models.value import ValueModel  # noqa: E402
 from sao_actor_learner.observers import read_metrics  # noqa: E402
@@ -379,11 +378,11 @@ def _learner(config, run_dir, reader, publisher):
     policy, tokenizer = ckpt.load_policy(resume.checkpoint or config.init_checkpoint)
     critic = ValueModel.from_policy(policy)
     critic.freeze(config.critic_frozen_patterns)
-    learner = SAOLearner(config, policy, critic, reader=resume.reader(reader),
-                         publisher=publisher, serialize=ckpt.state_dict_to_bytes,
-                         checkpoint_fn=lambda l, s: save_learner_checkpoint(l, tokenizer, run_dir,
-                                                                            s),
-                         pad_id=tokenizer.pad_id)
+    learner = assemble_learner(config, policy, critic, resume.reader(reader),
+                               publisher=publisher, serialize=ckpt.state_dict_to_bytes,
+                               tokenizer=tokenizer,
+                               checkpoint_root=os.path.join(run_dir, "checkpoints"),
+                               pad_id=tokenizer.pad_id)
     resume.restore(learner)
     return learner
 
@@ -402,7 +401,8 @@ def test_learner_resume_redoes_lost_steps_exactly(warm_start, tmp_path):
     from sao_actor_learner.types import collate
     policy0 = ckpt.load_policy(warm_start)[0]
     with torch.no_grad():
-        logp = SAOLearner(config, policy0, None).policy_logprobs(collate(stream))
+        logp = assemble_learner(config, policy0, ValueModel.from_policy(policy0)
+                                ).policy_trainer.logprobs(collate(stream))
     for i, r in enumerate(stream):
         r.rollout_logp = (logp[i, :r.length].numpy() * r.action_mask).astype(np.float32)
 
@@ -420,14 +420,14 @@ def test_learner_resume_redoes_lost_steps_exactly(warm_start, tmp_path):
         b.publish()
         for _ in range(3):
             b.step()                               # checkpoint at 2; 3 published; then "crash"
-        b._reader.sample(2, 1.0)                   # sampled, never trained: in the journal only
+        b.source.sample(2, 1.0)                    # sampled, never trained: in the journal only
         torch.manual_seed(1234)                    # the crash scrambles the RNG; restore fixes it
         assert server.latest().version == 3
         del b
 
         c = _learner(config, str(tmp_path / "b"), _StreamReader(stream, reader_b.position),
                      publisher)
-        assert (c.version, c.resumed_from, c._reader.replaying) == (2, 2, True)
+        assert (c.version, c.resumed_from, c.source.replaying) == (2, 2, True)
         c.run()
         # Redoing step 3 republished version 3, which the server accepts only byte-identical.
         assert c.version == 5 and c.resume_publish_conflicts == 0
@@ -437,8 +437,8 @@ def test_learner_resume_redoes_lost_steps_exactly(warm_start, tmp_path):
     assert any(not torch.equal(t, initial[k]) for k, t in a.policy.state_dict().items())
     for name, tensor in a.policy.state_dict().items():
         assert torch.equal(tensor, c.policy.state_dict()[name]), name
-    for name, tensor in a.critic.state_dict().items():
-        assert torch.equal(tensor, c.critic.state_dict()[name]), name
+    for name, tensor in a.estimator.critic.state_dict().items():
+        assert torch.equal(tensor, c.estimator.critic.state_dict()[name]), name
     assert (c.dropped_stale, c.rollouts_trained) == (a.dropped_stale, a.rollouts_trained)
     # The journal now holds nothing past the final checkpoint.
     assert ResumePoint(str(tmp_path / "b" / "checkpoints")).step == 5

@@ -17,7 +17,7 @@ import hf_fixtures as fx
 from sao_actor_learner import core
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.engines.torch_engine import TorchEngine
-from sao_actor_learner.learner.sao import SAOLearner
+from sao_actor_learner.builder import assemble_learner
 from sao_actor_learner.models import (HFTokenizer, ModelDirError, check_model_dir, load_policy,
                                       load_sync_state_dict, save_checkpoint, sync_state_dict,
                                       token_limit)
@@ -108,21 +108,22 @@ def test_padding_rows_are_never_sampled_and_learner_logprobs_match_the_engine(pa
     assert sampled and max(sampled) < tok.vocab_size
     # The learner scores the same tokens over the same vocabulary: on-policy ratio 1.
     policy, _ = load_policy(padded_dir)
-    config = SAOConfig(batch_size=6, max_steps=2, fused_logprobs=True)
-    learner = SAOLearner(config, policy, None, pad_id=tok.pad_id,
-                         token_limit=token_limit(policy, tok))
+    config = SAOConfig(batch_size=6, actor_batch=6, max_steps=2, fused_logprobs=True,
+                       algorithm="critic_free")
+    learner = assemble_learner(config, policy, pad_id=tok.pad_id,
+                               token_limit=token_limit(policy, tok))
     rollouts = [Rollout(tokens=list(p) + g.tokens, action_mask=[0] * len(p) + [1] * len(g.tokens),
                         rollout_logp=[0.0] * len(p) + g.logprobs,
                         versions=[-1] * len(p) + g.versions, rewards=[0.0] * (len(p) + len(g.tokens)),
                         prompt_id=i) for i, (p, g) in enumerate(zip(prompts, gens))]
     batch = collate(rollouts, pad_id=tok.pad_id)
     with torch.no_grad():
-        logp = learner.policy_logprobs(batch)
+        logp = learner.policy_trainer.logprobs(batch)
     mask = batch.action_mask.bool()
     assert torch.allclose(logp[mask], batch.rollout_logp[mask], atol=1e-4)
-    unlimited = SAOLearner(config, policy, None, pad_id=tok.pad_id)
+    unlimited = assemble_learner(config, policy, pad_id=tok.pad_id)
     with torch.no_grad():
-        full = unlimited.policy_logprobs(batch)
+        full = unlimited.policy_trainer.logprobs(batch)
     assert (full[mask] - batch.rollout_logp[mask]).abs().max() > 0.1   # the rows matter here
 
 
@@ -137,8 +138,9 @@ def test_a_learner_step_on_tied_qwen3_publishes_weights_without_the_tied_head(mo
             sent.append((version, payload))
 
     from sao_actor_learner.models.checkpoint import bytes_to_state_dict, state_dict_to_bytes
-    learner = SAOLearner(SAOConfig(batch_size=2, actor_batch=2, max_steps=2), policy, critic,
-                         publisher=Publisher(), serialize=state_dict_to_bytes, pad_id=tok.pad_id)
+    learner = assemble_learner(SAOConfig(batch_size=2, actor_batch=2, max_steps=2), policy,
+                               critic, publisher=Publisher(), serialize=state_dict_to_bytes,
+                               pad_id=tok.pad_id)
     prompt = tok.apply_chat_template([{"role": "user", "content": "2 plus 2?"}])
     action = tok.encode("#### 4") + [tok.eos_id]
     rollouts = [Rollout(tokens=prompt + action, action_mask=[0] * len(prompt) + [1] * len(action),

@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import threading
 
 if "triton" not in sys.modules:  # the Triton interpreter must be chosen before triton loads
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -11,8 +12,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from sao_actor_learner import core
+from sao_actor_learner.builder import assemble_learner
 from sao_actor_learner.config import SAOConfig
-from sao_actor_learner.learner.sao import SAOLearner
 from sao_actor_learner.models.value import ValueModel
 from sao_actor_learner.types import Rollout, collate
 
@@ -26,12 +28,13 @@ def tiny_policy(seed=0):
     return LlamaForCausalLM(cfg)
 
 
-def make_learner(**overrides):
-    config = SAOConfig(batch_size=4, max_steps=5, **overrides)
+def make_learner(source=None, publisher=None, **overrides):
+    config = SAOConfig(batch_size=4, actor_batch=4, max_steps=5, **overrides)
     policy = tiny_policy()
     critic = ValueModel.from_policy(policy)
     critic.freeze(config.critic_frozen_patterns)
-    return SAOLearner(config, policy, critic)
+    return assemble_learner(config, policy, critic, source, publisher=publisher,
+                            serialize=lambda sd: b"x" * len(sd))
 
 
 def on_policy_rollouts(learner, n=4, seed=0, version=0):
@@ -49,7 +52,7 @@ def on_policy_rollouts(learner, n=4, seed=0, version=0):
                                 prompt_id=i))
     batch = collate(rollouts)
     with torch.no_grad():
-        logp = learner.policy_logprobs(batch)
+        logp = learner.policy_trainer.logprobs(batch)
     for i, r in enumerate(rollouts):
         r.rollout_logp = (logp[i, :r.length].numpy() * r.action_mask).astype(np.float32)
     return rollouts
@@ -59,13 +62,14 @@ def test_on_policy_update_masks_nothing_and_trains_only_unfrozen_critic_params()
     learner = make_learner()
     rollouts = on_policy_rollouts(learner)
     batch = collate(rollouts)
-    critic_before = {k: v.clone() for k, v in learner.critic.state_dict().items()}
+    critic = learner.estimator.critic
+    critic_before = {k: v.clone() for k, v in critic.state_dict().items()}
     policy_before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
     stats = learner.update(batch)
     assert stats["masked_frac"] == 0.0
     assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert stats["kl_rollout"] == pytest.approx(0.0, abs=1e-6)
-    after = learner.critic.state_dict()
+    after = critic.state_dict()
     for name, before in critic_before.items():
         changed = not torch.equal(before, after[name])
         frozen = any(p in name for p in ("self_attn", "embed_tokens", "norm"))
@@ -83,7 +87,7 @@ def test_k_critic_updates_take_k_optimizer_steps():
     for k in (1, 3):
         learner = make_learner(critic_updates=k)
         learner.update(collate(on_policy_rollouts(learner)))
-        state = learner.critic_opt.state_dict()["state"]
+        state = learner.estimator.optimizer.state_dict()["state"]
         assert all(int(s["step"]) == k for s in state.values())
 
 
@@ -106,8 +110,8 @@ def test_off_band_tokens_are_dropped_from_gradient():
     assert stats["policy_grad_norm"] == 0.0
 
 
-class ListReader:
-    """An in-memory stand-in for RolloutReader, to test the learner's staleness filter alone."""
+class ListReader(core.RolloutSource):
+    """An in-memory RolloutSource, to test the learner's staleness filter alone."""
 
     def __init__(self, rollouts):
         self.rollouts = list(rollouts)
@@ -121,12 +125,13 @@ class ListReader:
 
 
 def test_stale_rollouts_are_dropped_and_counted():
-    learner = make_learner(max_staleness=1)
+    first = make_learner(max_staleness=1)
+    fresh = on_policy_rollouts(first, n=4, version=4)
+    stale = on_policy_rollouts(first, n=3, version=3, seed=1)
+    learner = make_learner(max_staleness=1,
+                           source=ListReader(stale[:2] + fresh[:2] + stale[2:] + fresh[2:]))
     learner.version = 5
-    fresh = on_policy_rollouts(learner, n=4, version=4)
-    stale = on_policy_rollouts(learner, n=3, version=3, seed=1)
-    learner._reader = ListReader(stale[:2] + fresh[:2] + stale[2:] + fresh[2:])
-    got, _, dropped = learner.sample_fresh(4)
+    got, _, dropped = learner.sampler.sample(4, learner.version, threading.Event())
     assert dropped == 3 and learner.dropped_stale == 3
     assert all(r.staleness(5) <= 1 for r in got) and len(got) == 4
 
@@ -140,8 +145,8 @@ def test_freeze_rejects_unknown_pattern():
 def test_fused_logprobs_path_matches_plain_logits_path():
     learner = make_learner()
     batch = collate(on_policy_rollouts(learner))
-    fused = learner.policy_logprobs(batch)
-    plain = make_learner(fused_logprobs=False).policy_logprobs(batch)
+    fused = learner.policy_trainer.logprobs(batch)
+    plain = make_learner(fused_logprobs=False).policy_trainer.logprobs(batch)
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
 
 
@@ -176,28 +181,33 @@ def test_triton_kernels_give_the_same_update_as_torch(gae):
 
 
 class RecordingPublisher:
-    """Keeps what the learner publishes (the variable server's own tests cover the wire)."""
+    """Keeps what the learner publishes and reports (the variable server's own tests cover
+    the wire)."""
 
     def __init__(self):
         self.published = []
+        self.reports = []
 
     def publish(self, version, payload, dropped_total=0):
         self.published.append((version, len(payload), dropped_total))
 
+    def report_progress(self, version, dropped_total, trained_total, **kwargs):
+        self.reports.append((version, dropped_total, trained_total))
+
 
 def test_value_pretraining_trains_only_the_critic_and_keeps_admission_open():
-    learner = make_learner(value_pretrain_steps=3, value_pretrain_min_ev=1.0)
-    learner._publisher = RecordingPublisher()
-    learner._serialize = lambda sd: b"x" * len(sd)
-    rollouts = [r for seed in range(3) for r in on_policy_rollouts(learner, n=4, seed=seed)]
-    learner._reader = ListReader(rollouts)
+    rollouts = [r for seed in range(3) for r in on_policy_rollouts(make_learner(), n=4, seed=seed)]
+    publisher = RecordingPublisher()
+    learner = make_learner(value_pretrain_steps=3, value_pretrain_min_ev=1.0,
+                           source=ListReader(rollouts), publisher=publisher)
     policy_before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
-    head_before = learner.critic.head.weight.clone()
+    head_before = learner.estimator.critic.head.weight.clone()
     stats = learner.pretrain_value()
-    assert stats["value_pretrain_step"] == 2
+    assert stats["value_pretrain_step"] == 3
     assert all(torch.equal(v, policy_before[k]) for k, v in learner.policy.state_dict().items())
-    assert not torch.equal(head_before, learner.critic.head.weight)
-    assert learner.version == 0 and learner.pretrain_consumed == 12
-    # Same version republished with growing admission credit after each pretraining step.
-    assert [p[0] for p in learner._publisher.published] == [0, 0, 0]
-    assert [p[2] for p in learner._publisher.published] == [4, 8, 12]
+    assert not torch.equal(head_before, learner.estimator.critic.head.weight)
+    assert learner.version == 0 and learner.consumed_without_version == 12
+    # Admission credit grows after each pretraining step, in small progress reports: the
+    # weights are not re-sent.
+    assert publisher.published == []
+    assert [r[:2] for r in publisher.reports] == [(0, 4), (0, 8), (0, 12)]

@@ -121,9 +121,6 @@ class SAOConfig(LaunchConfig, EvalConfig, DatasetConfig, LearnerConfig, EngineCo
             fail(f"max_new_tokens={self.max_new_tokens} >= max_sequence_length="
                  f"{self.max_sequence_length}: a turn could never fit after the prompt; raise "
                  "max_sequence_length or lower max_new_tokens")
-        if self.critic_warmup_steps >= self.max_steps:
-            fail(f"critic_warmup_steps={self.critic_warmup_steps} >= max_steps={self.max_steps}: "
-                 "the policy would never be trained; lower critic_warmup_steps")
         if self.algorithm == "grpo" and G < 2:
             fail(f"group_size={G} with algorithm='grpo': a group of one rollout has advantage 0 "
                  "(its reward minus its own mean), so nothing would train; set --group_size>=2 "

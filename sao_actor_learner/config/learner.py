@@ -33,8 +33,8 @@ class LearnerConfig(Section):
     critic_frozen_patterns: Tuple[str, ...] = option(
         ("self_attn", "embed_tokens", "norm"), "Regexes of critic parameters kept frozen "
         "(attention, embeddings and norms); each must match some parameter.")
-    critic_warmup_steps: int = option(0, "The first steps update only the critic (they do not "
-                                      "count as policy versions).")
+    critic_warmup_steps: int = option(0, "Critic-only steps before the first policy step (they "
+                                      "do not bump the version).")
     value_pretrain_steps: int = option(0, "Critic-only steps on the initial policy's rollouts "
                                        "before RL.")
     value_pretrain_min_ev: float = option(1.0, "Value pretraining stops early at this explained "

@@ -27,6 +27,7 @@ import torch
 from absl import logging
 
 from sao_actor_learner import core
+from sao_actor_learner.distributions import nucleus_logprobs, sampling_logprobs
 from sao_actor_learner.models.checkpoint import load_policy, load_sync_state_dict, token_limit
 
 
@@ -214,18 +215,11 @@ def _sample(logits: torch.Tensor, params: core.SamplingParams,
         logp = torch.log_softmax(logits, dim=-1)
         token = logits.argmax(dim=-1)
         return token, logp.gather(-1, token[:, None])[:, 0]
-    logp = torch.log_softmax(logits / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        logp = _top_p_logprobs(logp, params.top_p)
+    logp = sampling_logprobs(logits, params.temperature, params.top_p)
     token = torch.multinomial(logp.exp(), num_samples=1, generator=generator)[:, 0]
     return token, logp.gather(-1, token[:, None])[:, 0]
 
 
 def _top_p_logprobs(logp: torch.Tensor, top_p: float) -> torch.Tensor:
     """Log-probs renormalised over the smallest set of top tokens whose mass reaches `top_p`."""
-    sorted_logp, order = logp.sort(dim=-1, descending=True)
-    sorted_p = sorted_logp.exp()
-    mass_before = sorted_p.cumsum(dim=-1) - sorted_p      # mass of strictly better tokens
-    drop_sorted = mass_before >= top_p                     # the top token is always kept
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+    return nucleus_logprobs(logp, top_p)

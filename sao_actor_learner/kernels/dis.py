@@ -10,7 +10,7 @@ pass, so the backward is one multiply; all statistics come back in one device-to
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -20,12 +20,15 @@ from .dispatch import load_triton_module, resolve_backend
 
 class _TritonDIS(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, rollout_logp, advantages, mask, lo, hi, kept_tokens):
+    def forward(ctx, logp, rollout_logp, advantages, mask, lo, hi, kept_tokens, normalizer):
         mod = load_triton_module("_triton_dis")
         coef, totals = mod.forward(logp.reshape(-1).contiguous(),
                                    rollout_logp.reshape(-1).contiguous(),
                                    advantages.reshape(-1).contiguous(), mask, lo, hi)
-        denom = (totals[mod.KEEP] if kept_tokens else totals[mod.MASK]).clamp(min=1.0)
+        if normalizer is not None:
+            denom = torch.full_like(totals[mod.MASK], float(normalizer)).clamp(min=1.0)
+        else:
+            denom = (totals[mod.KEEP] if kept_tokens else totals[mod.MASK]).clamp(min=1.0)
         loss = (-totals[mod.KAR] / denom).to(logp.dtype)
         ctx.save_for_backward(coef, denom)
         ctx.shape, ctx.dtype = logp.shape, logp.dtype
@@ -37,10 +40,10 @@ class _TritonDIS(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_totals):
         coef, denom = ctx.saved_tensors
         if grad_loss is None:
-            return (None,) * 7
+            return (None,) * 8
         grad = (coef * (grad_loss.float() / denom)).reshape(ctx.shape).to(ctx.dtype)
         grad_ref = -grad if ctx.needs_input_grad[1] else None
-        return grad, grad_ref, None, None, None, None, None
+        return grad, grad_ref, None, None, None, None, None, None
 
 
 def _stats_from_totals(totals: torch.Tensor, loss: torch.Tensor, mod) -> Dict[str, float]:
@@ -49,6 +52,7 @@ def _stats_from_totals(totals: torch.Tensor, loss: torch.Tensor, mod) -> Dict[st
     n = max(n_mask, 1.0)
     stats = {
         "num_action_tokens": n_mask,
+        "num_kept_tokens": t[mod.KEEP],
         "masked_below_frac": t[mod.BELOW] / n,
         "masked_above_frac": t[mod.ABOVE] / n,
     }
@@ -67,15 +71,16 @@ def _stats_from_totals(totals: torch.Tensor, loss: torch.Tensor, mod) -> Dict[st
 
 def dis_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.Tensor,
              action_mask: torch.Tensor, eps_low: float, eps_high: float,
-             normalization: str = "action_tokens", backend: str = "auto"
-             ) -> Tuple[torch.Tensor, Dict[str, float]]:
+             normalization: str = "action_tokens", backend: str = "auto",
+             normalizer: Optional[float] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
     """Direct double-sided importance sampling loss and its statistics.
 
     Args and returns as `learner.losses.dis_policy_loss` (logp, rollout_logp, advantages,
     action_mask all [B, T] or any common shape; the loss is differentiable w.r.t. logp, and
     rollout_logp if it requires grad; advantages get no gradient). Stats: masked_below_frac,
     masked_above_frac, masked_frac, ratio_mean, ratio_max, ratio_min, kl_rollout, ess,
-    num_action_tokens, policy_loss. backend: "auto" | "triton" | "torch" (see dispatch.py).
+    num_action_tokens, num_kept_tokens, policy_loss. backend: "auto" | "triton" | "torch" (see
+    dispatch.py). normalizer: divide by this instead (a whole batch's count, for micro-batches).
     The Triton backend computes in fp32 whatever the input float dtype; the loss has logp's dtype.
     """
     if normalization not in _ref.NORMALIZATIONS:
@@ -87,12 +92,12 @@ def dis_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.T
     chosen = resolve_backend(backend, "dis_loss", (logp, rollout_logp, advantages, action_mask))
     if chosen == "torch":
         return _ref.dis_policy_loss(logp, rollout_logp, advantages, action_mask, eps_low,
-                                    eps_high, normalization)
+                                    eps_high, normalization, normalizer=normalizer)
     mod = load_triton_module("_triton_dis")
     mask = action_mask.reshape(-1).contiguous()
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
     loss, totals = _TritonDIS.apply(logp, rollout_logp, advantages.detach(), mask,
                                     1.0 - eps_low, 1.0 + eps_high,
-                                    normalization == "kept_tokens")
+                                    normalization == "kept_tokens", normalizer)
     return loss, _stats_from_totals(totals, loss, mod)

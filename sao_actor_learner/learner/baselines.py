@@ -1,4 +1,4 @@
-"""The single-rollout, critic-free baseline (config algorithm=critic_free).
+"""The single-rollout, critic-free baseline (algorithm=critic_free): its pure pieces.
 
 One rollout per prompt, as in SAO, but no critic: every action token of a rollout gets the same
 advantage, its total reward minus a tracked baseline,
@@ -14,9 +14,9 @@ A controlled run separates prompt diversity from single-rollout sampling (SAO.md
 SAO (critic) vs this learner (no critic) on the same 128 x 1 batches, and this learner vs GRPO
 (group baseline) on the same number of distinct prompts.
 
-`CriticFreeLearner` is also the base of `grpo.GRPOLearner`, which only changes the advantages
-and how batches are sampled. Its `value_loss` / `explained_variance` metrics describe the
-baseline as a predictor of the reward (0.5 (R - b)^2, 1 - Var(R - b) / Var(R)).
+The learner runs it as `estimators.TrackedBaseline`. Its `value_loss` / `explained_variance`
+metrics describe the baseline as a predictor of the reward (0.5 (R - b)^2, 1 - Var(R - b) /
+Var(R)).
 """
 from __future__ import annotations
 
@@ -26,9 +26,6 @@ from typing import Dict, Hashable, List, Optional, Sequence
 import numpy as np
 import torch
 
-from sao_actor_learner.config import SAOConfig
-from sao_actor_learner.learner import advantages as adv_lib
-from sao_actor_learner.learner.sao import SAOLearner
 from sao_actor_learner.types import Batch, Rollout
 
 
@@ -118,46 +115,3 @@ def baseline_stats(rewards: np.ndarray, baseline: np.ndarray) -> Dict[str, float
     return {"value_loss": float(0.5 * np.mean(err ** 2)),
             "explained_variance": float(1.0 - err.var() / var) if var > 1e-12 else 0.0,
             "baseline_mean": float(np.mean(baseline))}
-
-
-# --- the learner ------------------------------------------------------------------------------------
-class CriticFreeLearner(SAOLearner):
-    """Trains the policy alone on A = R - b(prompt); single rollouts, no critic.
-
-    Everything else is SAOLearner's: sampling with the staleness limit, config.policy_loss (DIS by
-    default), versions, publishing and logging. Args as SAOLearner without `critic`.
-    """
-
-    def __init__(self, config: SAOConfig, policy: torch.nn.Module, reader=None, publisher=None,
-                 serialize=None, logger=None, checkpoint_fn=None, pad_id: int = 0,
-                 token_limit=None):
-        super().__init__(config, policy, None, reader=reader, publisher=publisher,
-                         serialize=serialize, logger=logger, checkpoint_fn=checkpoint_fn,
-                         pad_id=pad_id, token_limit=token_limit)
-        self.baseline = make_baseline(config.baseline, config.baseline_decay)
-
-    def compute_advantages(self, batch: Batch) -> Dict[str, torch.Tensor]:
-        """Per-rollout advantages on action tokens; updates the tracker after reading it."""
-        rewards = sequence_rewards(batch).double().numpy()
-        keys = [prompt_key(r) for r in batch.rollouts]
-        b = self.baseline.values(keys, rewards)
-        self.baseline.update(keys, rewards)
-        adv = broadcast_to_action_tokens(torch.as_tensor(rewards - b), batch.action_mask)
-        if self.config.normalize_advantages:
-            adv = adv_lib.masked_whiten(adv, batch.action_mask)
-        return {"advantages": adv, "rewards": torch.as_tensor(rewards),
-                "baseline": torch.as_tensor(b)}
-
-    def update(self, batch: Batch, train_policy: bool = True) -> Dict[str, float]:
-        """One policy update on a collated batch; returns its statistics."""
-        est = self.compute_advantages(batch)
-        stats: Dict[str, float] = {}
-        if train_policy:
-            stats.update(self.policy_update(batch, est["advantages"]))
-        stats.update(baseline_stats(est["rewards"].numpy(), est["baseline"].numpy()))
-        mask = batch.action_mask.bool()
-        stats["advantage_mean"] = float(est["advantages"][mask].mean()) if mask.any() else 0.0
-        return stats
-
-    def pretrain_value(self) -> Dict[str, float]:
-        return {}  # no critic (config validation keeps value_pretrain_steps at 0)

@@ -18,15 +18,11 @@ actors' rollouts; `GroupAssembler` holds members until their group is complete.
 from __future__ import annotations
 
 import collections
-import time
 from typing import Callable, Dict, Hashable, List, Sequence, Tuple
 
-import numpy as np
 import torch
 
-from sao_actor_learner.learner.baselines import (CriticFreeLearner, baseline_stats,
-                                                 broadcast_to_action_tokens, sequence_rewards)
-from sao_actor_learner.types import Batch, Rollout
+from sao_actor_learner.types import Rollout
 
 
 def group_normalized_advantages(rewards: torch.Tensor, group_ids: Sequence[Hashable],
@@ -106,44 +102,3 @@ class GroupAssembler:
         while self._complete and len(out) < max_groups:
             out.append(self._complete.popleft())
         return out
-
-
-class GRPOLearner(CriticFreeLearner):
-    """GRPO in the SAO learner framework: group sampling and group-normalised advantages."""
-
-    def __init__(self, config, policy, **kwargs):
-        super().__init__(config, policy, **kwargs)
-        self.assembler = GroupAssembler(config.group_size)
-
-    def compute_advantages(self, batch: Batch) -> Dict[str, torch.Tensor]:
-        rewards = sequence_rewards(batch).double()
-        adv, means = group_normalized_advantages(rewards, [r.group_id for r in batch.rollouts],
-                                                 self.config.grpo_scale_by_std)
-        return {"advantages": broadcast_to_action_tokens(adv, batch.action_mask),
-                "rewards": rewards, "baseline": means}
-
-    def sample_fresh(self, n: int) -> Tuple[List[Rollout], float, int]:
-        """n // G whole groups, none with a member staler than max_staleness (stale groups are
-        dropped and counted). Returns (rollouts, seconds spent waiting, dropped now)."""
-        G = self.config.group_size
-        want_groups = n // G
-        groups: List[List[Rollout]] = []
-        waited, dropped = 0.0, 0
-
-        def is_stale(r: Rollout) -> bool:
-            return self.staleness_of(r) > self.config.max_staleness
-
-        while len(groups) < want_groups and not self._stop.is_set():
-            stale = self.assembler.drop_stale(is_stale)
-            if stale:
-                dropped += stale
-                self.dropped_stale += stale
-                self.publish_progress()  # admission credit, as in SAOLearner.sample_fresh
-            groups += self.assembler.pop_complete(want_groups - len(groups))
-            if len(groups) >= want_groups:
-                break
-            missing = (want_groups - len(groups)) * G - self.assembler.num_buffered
-            t0 = time.time()
-            self.assembler.add(self._reader.sample(max(missing, G), timeout_s=1.0))
-            waited += time.time() - t0
-        return [r for g in groups for r in g], waited, dropped

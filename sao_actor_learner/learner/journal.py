@@ -40,6 +40,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from absl import logging
 
+from sao_actor_learner import core
+
 _MAGIC = b"SAOJ"
 _HEADER = struct.Struct("<4sII")      # magic, payload length, crc32 of the payload
 _SEGMENT_RE = re.compile(r"^after_step_(\d{6,})\.log$")
@@ -47,8 +49,9 @@ _CHECKPOINT_RE = re.compile(r"^step_(\d{6,})$")
 LEARNER_STATE_FILE = "learner_state.pt"
 
 
-def journal_dir(checkpoint_root: str) -> str:
-    return os.path.join(checkpoint_root, "journal")
+def journal_dir(checkpoint_root: str, rank: int = 0) -> str:
+    """Rank 0's journal is checkpoints/journal; rank r's of a learner group journal_rank<r>."""
+    return os.path.join(checkpoint_root, "journal" if rank == 0 else f"journal_rank{rank}")
 
 
 def segment_path(directory: str, after_step: int) -> str:
@@ -136,8 +139,8 @@ class ReaderJournal:
                 self._fd = None
 
 
-class JournaledReader:
-    """The learner's reader, journalling every rollout it takes from replay, and handing back
+class JournaledReader(core.RolloutSource):
+    """The learner's reader (a core.RolloutSource), journalling every rollout it takes from replay, and handing back
     the journalled `replay` first.
 
     reader: a RolloutReader-like object, or a factory `make(on_fetched)` building one that calls
@@ -201,7 +204,7 @@ class JournaledReader:
             self.journal.record(got)
         return got
 
-    def rotate(self, after_step: int, commit: Callable[[], Any]) -> Any:
+    def checkpoint(self, after_step: int, commit: Callable[[], Any]) -> Any:
         """Writes checkpoint `after_step` with `commit()` and starts the journal segment after
         it, carrying what the learner has not used yet (journalled rollouts still to hand back,
         and fetched ones still in the reader's buffer); returns commit()'s result."""
@@ -239,10 +242,10 @@ class ResumePoint:
     """Where a learner picks up in `checkpoint_root`: the newest complete checkpoint (None: the
     initial weights), its step, and the rollouts journalled after it."""
 
-    def __init__(self, checkpoint_root: str) -> None:
+    def __init__(self, checkpoint_root: str, rank: int = 0) -> None:
         self.checkpoint_root = checkpoint_root
         self.checkpoint, self.step = latest_checkpoint(checkpoint_root)
-        self.journal_dir = journal_dir(checkpoint_root)
+        self.journal_dir = journal_dir(checkpoint_root, rank)
         self.replay, _ = read_segment(segment_path(self.journal_dir, self.step))
 
     @property

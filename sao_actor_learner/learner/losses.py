@@ -47,6 +47,13 @@ def _ratio_stats(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tenso
     return stats
 
 
+def _denominator(normalizer: Optional[float], count: torch.Tensor) -> torch.Tensor:
+    """The loss denominator: `normalizer` when given, else `count`; at least 1."""
+    if normalizer is not None:
+        return count.new_tensor(max(float(normalizer), 1.0))
+    return count.clamp(min=1.0)
+
+
 def _log_ratio(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     lr = torch.where(mask.bool(), logp - ref_logp, torch.zeros_like(logp))
     return lr.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
@@ -54,7 +61,8 @@ def _log_ratio(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -
 
 def dis_policy_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.Tensor,
                     action_mask: torch.Tensor, eps_low: float, eps_high: float,
-                    normalization: str = "action_tokens") -> Tuple[torch.Tensor, Dict[str, float]]:
+                    normalization: str = "action_tokens", normalizer: Optional[float] = None
+                    ) -> Tuple[torch.Tensor, Dict[str, float]]:
     """Direct double-sided importance sampling (SAO.md section 3).
 
         r_t    = exp(logp[t] - rollout_logp[t])
@@ -62,9 +70,10 @@ def dis_policy_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: 
         L      = - sum_t keep_t * r_t * A_t / sum_t mask[t]
 
     Tokens outside the band are dropped from the gradient, not clipped. normalization=
-    "kept_tokens" divides by sum(keep) instead (the alternative SAO.md keeps as an option).
+    "kept_tokens" divides by sum(keep) instead (the alternative kept as an option); a given
+    `normalizer` replaces either (a whole batch's count when this call sees a micro-batch).
     Returns (loss, stats) with masked_below_frac, masked_above_frac, masked_frac, ratio_mean,
-    ratio_max, ratio_min, kl_rollout, ess, num_action_tokens.
+    ratio_max, ratio_min, kl_rollout, ess, num_action_tokens, num_kept_tokens.
     """
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r}: must be one of {NORMALIZATIONS}")
@@ -75,20 +84,23 @@ def dis_policy_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: 
         below = (ratio < 1.0 - eps_low).to(logp.dtype)
         above = (ratio > 1.0 + eps_high).to(logp.dtype)
         keep = mask * (1.0 - below) * (1.0 - above)
-    denom = mask.sum() if normalization == "action_tokens" else keep.sum()
-    loss = -(keep * ratio * advantages.detach()).sum() / denom.clamp(min=1.0)
+    denom = _denominator(normalizer, mask.sum() if normalization == "action_tokens"
+                         else keep.sum())
+    loss = -(keep * ratio * advantages.detach()).sum() / denom
     stats = _ratio_stats(log_ratio.detach(), ratio.detach(), mask, below, above)
+    stats["num_kept_tokens"] = float(keep.sum())
     stats["policy_loss"] = float(loss.detach())
     return loss, stats
 
 
 def value_loss(values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor,
-               old_values: Optional[torch.Tensor] = None, clip: float = 0.0
-               ) -> Tuple[torch.Tensor, Dict[str, float]]:
+               old_values: Optional[torch.Tensor] = None, clip: float = 0.0,
+               normalizer: Optional[float] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
     """0.5 * (V(t) - R_t)^2, token mean over action tokens (SAO.md section 4).
 
     With clip > 0 and old_values given, PPO-style value clipping: the max of the unclipped loss and
-    the loss of old_values + clamp(V - old_values, -clip, clip).
+    the loss of old_values + clamp(V - old_values, -clip, clip). `normalizer` replaces the
+    number of action tokens as the denominator (a whole batch's, for micro-batches).
     """
     mask = action_mask.to(values.dtype)
     returns = returns.detach()
@@ -97,7 +109,7 @@ def value_loss(values: torch.Tensor, returns: torch.Tensor, action_mask: torch.T
         old = old_values.detach()
         clipped = old + (values - old).clamp(-clip, clip)
         err = torch.maximum(err, 0.5 * (clipped - returns) ** 2)
-    loss = (err * mask).sum() / mask.sum().clamp(min=1.0)
+    loss = (err * mask).sum() / _denominator(normalizer, mask.sum())
     stats = {"value_loss": float(loss.detach()),
              "explained_variance": explained_variance(values.detach(), returns, mask)}
     return loss, stats
@@ -164,7 +176,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
                   action_mask: torch.Tensor, clip_low: float, clip_high: float,
                   normalization: str = "action_tokens",
                   behaviour_weights: Optional[torch.Tensor] = None,
-                  rollout_logp: Optional[torch.Tensor] = None
+                  rollout_logp: Optional[torch.Tensor] = None, normalizer: Optional[float] = None
                   ) -> Tuple[torch.Tensor, Dict[str, float]]:
     """PPO-clip against the recomputed old policy (the GRPO baseline's loss).
 
@@ -192,8 +204,9 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
         clip_below = ((rho < 1.0 - clip_low) & (adv < 0)).to(logp.dtype) * mask
         clip_above = ((rho > 1.0 + clip_high) & (adv > 0)).to(logp.dtype) * mask
         nonzero = mask * (weights > 0).to(logp.dtype)
-    denom = mask.sum() if normalization == "action_tokens" else nonzero.sum()
-    loss = (per_token * mask).sum() / denom.clamp(min=1.0)
+    denom = _denominator(normalizer, mask.sum() if normalization == "action_tokens"
+                         else nonzero.sum())
+    loss = (per_token * mask).sum() / denom
     stats = drift_stats(logp, rollout_logp if rollout_logp is not None else old, action_mask)
     n = mask.sum().clamp(min=1.0)
     stats["clip_below_frac"] = float(clip_below.sum() / n)
@@ -203,14 +216,15 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     m = mask.bool()
     stats["ppo_ratio_mean"] = float(rho.detach()[m].mean()) if m.any() else 1.0
     stats["ppo_ratio_max"] = float(rho.detach()[m].max()) if m.any() else 1.0
+    stats["num_kept_tokens"] = float(nonzero.sum())
     stats["policy_loss"] = float(loss.detach())
     return loss, stats
 
 
 def tis_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
                     advantages: torch.Tensor, action_mask: torch.Tensor, cap: float,
-                    clip_low: float, clip_high: float, normalization: str = "action_tokens"
-                    ) -> Tuple[torch.Tensor, Dict[str, float]]:
+                    clip_low: float, clip_high: float, normalization: str = "action_tokens",
+                    normalizer: Optional[float] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
     """Truncated importance sampling: PPO-clip weighted by w_t = min(k_t, C), k_t = pi_old / mu.
 
         k_t = exp(old_logp[t] - rollout_logp[t]);   w_t = min(k_t, cap)      (no gradient)
@@ -230,7 +244,7 @@ def tis_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: to
         truncated = (k > cap).to(logp.dtype) * mask
     loss, stats = ppo_clip_loss(logp, old_logp, advantages, action_mask, clip_low, clip_high,
                                 normalization, behaviour_weights=weights,
-                                rollout_logp=rollout_logp)
+                                rollout_logp=rollout_logp, normalizer=normalizer)
     stats["tis_truncated_frac"] = _masked_mean(truncated, mask)
     stats["tis_weight_mean"] = _masked_mean(weights, mask)
     stats["masked_frac"] = stats["tis_truncated_frac"]
@@ -240,7 +254,7 @@ def tis_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: to
 def icepop_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
                        advantages: torch.Tensor, action_mask: torch.Tensor, band_low: float,
                        band_high: float, clip_low: float, clip_high: float,
-                       normalization: str = "action_tokens"
+                       normalization: str = "action_tokens", normalizer: Optional[float] = None
                        ) -> Tuple[torch.Tensor, Dict[str, float]]:
     """IcePop-style double-sided masking of the behaviour mismatch, on top of PPO-clip.
 
@@ -262,7 +276,7 @@ def icepop_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp:
         weights = k * mask * (1.0 - below) * (1.0 - above)
     loss, stats = ppo_clip_loss(logp, old_logp, advantages, action_mask, clip_low, clip_high,
                                 normalization, behaviour_weights=weights,
-                                rollout_logp=rollout_logp)
+                                rollout_logp=rollout_logp, normalizer=normalizer)
     stats["masked_below_frac"] = _masked_mean(below, mask)
     stats["masked_above_frac"] = _masked_mean(above, mask)
     stats["masked_frac"] = stats["masked_below_frac"] + stats["masked_above_frac"]
@@ -271,7 +285,8 @@ def icepop_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp:
 
 
 def no_correction_loss(logp: torch.Tensor, advantages: torch.Tensor, action_mask: torch.Tensor,
-                       rollout_logp: Optional[torch.Tensor] = None
+                       rollout_logp: Optional[torch.Tensor] = None,
+                       normalizer: Optional[float] = None
                        ) -> Tuple[torch.Tensor, Dict[str, float]]:
     """The plain policy gradient, treating every rollout as on-policy (no IS, no clip, no mask).
 
@@ -281,10 +296,11 @@ def no_correction_loss(logp: torch.Tensor, advantages: torch.Tensor, action_mask
     Drift stats are reported against rollout_logp when given; masked_frac is 0.
     """
     mask = action_mask.to(logp.dtype)
-    loss = -(mask * advantages.detach() * logp).sum() / mask.sum().clamp(min=1.0)
+    loss = -(mask * advantages.detach() * logp).sum() / _denominator(normalizer, mask.sum())
     ref = rollout_logp if rollout_logp is not None else logp.detach()
     stats = drift_stats(logp, ref, action_mask)
     stats["masked_frac"] = 0.0
+    stats["num_kept_tokens"] = float(mask.sum())
     stats["policy_loss"] = float(loss.detach())
     return loss, stats
 
@@ -294,11 +310,13 @@ def policy_loss(name: str, logp: torch.Tensor, rollout_logp: torch.Tensor,
                 old_logp: Optional[torch.Tensor] = None, *, eps_low: float = 0.3,
                 eps_high: float = 5.0, clip_low: float = 0.2, clip_high: float = 0.2,
                 tis_cap: float = 2.0, icepop_low: float = 0.5, icepop_high: float = 5.0,
-                normalization: str = "action_tokens") -> Tuple[torch.Tensor, Dict[str, float]]:
+                normalization: str = "action_tokens", normalizer: Optional[float] = None
+                ) -> Tuple[torch.Tensor, Dict[str, float]]:
     """The policy loss called `name` (one of POLICY_LOSS_NAMES) with its parameters.
 
     eps_low/eps_high: the DIS band; clip_low/clip_high: the PPO clip range; tis_cap: C;
     icepop_low/icepop_high: IcePop's band. `old_logp` is required by NEEDS_OLD_LOGP losses.
+    `normalizer` replaces each loss's own denominator (a whole batch's, for micro-batches).
     """
     if name not in POLICY_LOSS_NAMES:
         raise ValueError(f"policy loss {name!r}: must be one of {', '.join(POLICY_LOSS_NAMES)}")
@@ -307,14 +325,16 @@ def policy_loss(name: str, logp: torch.Tensor, rollout_logp: torch.Tensor,
                          "this step's updates, recomputed without gradient)")
     if name == "dis":
         return dis_policy_loss(logp, rollout_logp, advantages, action_mask, eps_low, eps_high,
-                               normalization)
+                               normalization, normalizer=normalizer)
     if name == "ppo_clip":
         return ppo_clip_loss(logp, old_logp, advantages, action_mask, clip_low, clip_high,
-                             normalization, rollout_logp=rollout_logp)
+                             normalization, rollout_logp=rollout_logp, normalizer=normalizer)
     if name == "tis":
         return tis_policy_loss(logp, old_logp, rollout_logp, advantages, action_mask, tis_cap,
-                               clip_low, clip_high, normalization)
+                               clip_low, clip_high, normalization, normalizer=normalizer)
     if name == "icepop":
         return icepop_policy_loss(logp, old_logp, rollout_logp, advantages, action_mask,
-                                  icepop_low, icepop_high, clip_low, clip_high, normalization)
-    return no_correction_loss(logp, advantages, action_mask, rollout_logp)
+                                  icepop_low, icepop_high, clip_low, clip_high, normalization,
+                                  normalizer=normalizer)
+    return no_correction_loss(logp, advantages, action_mask, rollout_logp,
+                              normalizer=normalizer)

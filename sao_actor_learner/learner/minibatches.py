@@ -1,13 +1,21 @@
-"""Splitting a collated batch into policy minibatches, and merging their statistics.
+"""Splitting a collated batch: policy minibatches (optimizer steps) and token-budget
+micro-batches (gradient accumulation).
 
-`config.policy_minibatches` = M turns one learner step into M policy optimizer steps on
+Minibatches: `policy_minibatches` = M turns one learner step into M policy optimizer steps on
 consecutive slices of the batch's rows (advantages are computed once, on the whole batch). The
-policy version still counts learner steps (publishes), not optimizer steps.
+policy version counts learner steps (publishes), not optimizer steps.
+
+Micro-batches: `pack_by_tokens(lengths, budget)` groups rows so that each group, padded to its
+own longest row, holds at most `budget` tokens (rows sorted by length first, so rows of similar
+length share a group and little is padding). A row longer than the budget is a group of its own.
+Each group is collated again at its own width (`select_rows(..., trim=True)`): gradients are
+accumulated over the groups and one optimizer step follows, with every loss normalised by the
+whole batch's denominator, so the result equals the whole-batch step.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence
+from typing import List, Sequence
 
 import numpy as np
 import torch
@@ -23,35 +31,45 @@ def row_splits(batch_size: int, num_minibatches: int) -> List[np.ndarray]:
     return [rows for rows in np.array_split(np.arange(batch_size), num_minibatches)]
 
 
-def select_rows(batch: Batch, rows: Sequence[int]) -> Batch:
-    """The sub-batch of `rows` (tensors indexed along dim 0; padding kept as is)."""
+def pack_by_tokens(lengths: Sequence[int], budget: int) -> List[np.ndarray]:
+    """Row groups whose padded size (rows x longest row) is <= budget; budget 0: one group.
+
+    Rows are taken longest first; a group is closed when the next row would push it past the
+    budget. Every row is in exactly one group; groups list rows in increasing order.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if budget < 0:
+        raise ValueError(f"budget={budget}: must be >= 0 (0: the whole batch at once)")
+    if budget == 0 or lengths.size == 0 or lengths.size * int(lengths.max()) <= budget:
+        return [np.arange(lengths.size)]
+    order = np.argsort(-lengths, kind="stable")
+    groups: List[List[int]] = []
+    current: List[int] = []
+    width = 0
+    for row in order:
+        w = max(width, int(lengths[row]))
+        if current and (len(current) + 1) * w > budget:
+            groups.append(current)
+            current, w = [], int(lengths[row])
+        current.append(int(row))
+        width = w
+    groups.append(current)
+    return [np.sort(np.asarray(g, dtype=np.int64)) for g in groups]
+
+
+def select_rows(batch: Batch, rows: Sequence[int], trim: bool = False) -> Batch:
+    """The sub-batch of `rows` (tensors indexed along dim 0); with `trim`, cut to the longest
+    selected row (the padding the other rows needed goes)."""
     index = torch.as_tensor(np.asarray(rows), dtype=torch.long)
+    width = int(batch.lengths.index_select(0, index).max()) if trim and len(rows) else None
     fields = {}
     for f in dataclasses.fields(batch):
         value = getattr(batch, f.name)
         if isinstance(value, torch.Tensor):
-            fields[f.name] = value.index_select(0, index.to(value.device))
+            value = value.index_select(0, index.to(value.device))
+            if width is not None and value.ndim == 2:
+                value = value[:, :width]
+            fields[f.name] = value
         else:  # the rollouts list
             fields[f.name] = [value[int(i)] for i in rows]
     return Batch(**fields)
-
-
-def merge_stats(per_minibatch: Sequence[Dict[str, float]]) -> Dict[str, float]:
-    """One stats dict from several: max of *_max, min of *_min, sum of num_*, mean of the rest."""
-    if len(per_minibatch) == 1:
-        return dict(per_minibatch[0])
-    merged: Dict[str, float] = {}
-    for key in per_minibatch[0]:
-        values = [s[key] for s in per_minibatch if isinstance(s.get(key), (int, float))]
-        if not values:
-            continue
-        if key.endswith("_max"):
-            merged[key] = max(values)
-        elif key.endswith("_min"):
-            merged[key] = min(values)
-        elif key.startswith("num_"):
-            merged[key] = sum(values)
-        else:
-            merged[key] = float(np.mean(values))
-    merged["policy_minibatches"] = len(per_minibatch)
-    return merged

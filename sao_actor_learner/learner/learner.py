@@ -1,0 +1,395 @@
+"""The learner loop, the same for every algorithm (the algorithm is its advantage estimator).
+
+One step:
+  1. draw the batch (the sampler drops and counts rollouts staler than max_staleness);
+  2. `estimator.estimate(batch)`: advantages (SAO: critic values and skip-observation GAE);
+  3. `policy.step(batch, advantages)`: the policy optimizer step(s), against the rollout
+     log-probs (DIS) or a recomputed old policy (PPO-clip, TIS, IcePop);
+  4. `estimator.update(batch, estimate)`: the critic's K steps (SAO), nothing (GRPO);
+  5. version += 1; publish the weights and report progress (admission credit) to the variable
+     server; log the step; checkpoint when due.
+
+The version counts policy steps only. Before the first one the critic may train alone on the
+initial policy's rollouts: value pretraining (`pretrain_steps`, stopping early at
+`pretrain_min_ev` explained variance) and critic warm-up (`warmup_steps`, a fixed number of
+critic-only steps). Neither bumps the version, so those rollouts stay on-policy, and the
+rollouts they consume are admission credit (like rollouts dropped as stale), reported as small
+progress messages, never by re-sending weights.
+
+In a learner group every rank runs this loop on its share of each batch; rank 0 alone
+publishes, reports, logs and writes checkpoints. `update(batch)` is the math of steps 2-4 on a
+collated batch and needs no replay or network: tests drive it directly.
+
+Checkpoints (`save_checkpoint`): checkpoints/step_<version>/ holds the policy as a Hugging Face
+model directory and learner_state.pt (optimizers, critic, estimator and sampler state, counters,
+RNG states), written atomically; the rollout source's journal is rotated with it
+(core.RolloutSource.checkpoint), so a restarted learner resumes from it and redoes the
+journalled steps exactly (learner/journal.py).
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from absl import logging
+
+from sao_actor_learner import core
+from sao_actor_learner.learner import distributed
+from sao_actor_learner.learner.estimators import AdvantageEstimator
+from sao_actor_learner.learner.journal import (LEARNER_STATE_FILE, checkpoint_path,
+                                               prune_checkpoints)
+from sao_actor_learner.learner.policy import PolicyTrainer
+from sao_actor_learner.learner.sampling import RolloutSampler
+from sao_actor_learner.models.checkpoint import save_checkpoint, sync_state_dict
+from sao_actor_learner.types import Batch, Rollout, collate
+
+
+class Learner(core.Worker, core.VariableSource):
+    """Trains a policy with `estimator`'s advantages on batches from `sampler`.
+
+    Args:
+      policy: the PolicyTrainer (the model, its optimizer, the policy step).
+      estimator: the AdvantageEstimator (critic + GAE, group normalisation, a tracked baseline).
+      sampler: a RolloutSampler (or GroupSampler) over the learner's RolloutSource.
+      max_steps: policy versions to train.
+      batch_size: rollouts per step on this rank (its share of the group's batch).
+      pretrain_steps, pretrain_min_ev, warmup_steps: critic-only steps before the first policy
+        step (see the module docstring); they need an estimator with a critic.
+      checkpoint_every: save every this many versions (0: only at the end); needs
+        checkpoint_root.
+      publisher: a variables.VariablePublisher (publish, report_progress) or None.
+      serialize: state dict -> payload buffers for the publisher.
+      logger: a MetricsLogger (write(row)) or None.
+      checkpoint_root: where checkpoints go (None: none are written).
+      tokenizer: saved with each checkpoint so it is a model directory.
+      keep_checkpoints: the newest kept (0: all).
+      pad_id: the id padding batches.
+      collective: the learner group.
+    """
+
+    def __init__(self, policy: PolicyTrainer, estimator: AdvantageEstimator,
+                 sampler: RolloutSampler, *, max_steps: int, batch_size: int,
+                 pretrain_steps: int = 0, pretrain_min_ev: float = 1.0, warmup_steps: int = 0,
+                 checkpoint_every: int = 0, publisher=None,
+                 serialize: Optional[Callable[[dict], object]] = None, logger=None,
+                 checkpoint_root: Optional[str] = None, tokenizer: Optional[core.Tokenizer] = None,
+                 keep_checkpoints: int = 0, pad_id: int = 0,
+                 collective: distributed.Collective = distributed.SINGLE):
+        if (pretrain_steps or warmup_steps) and not estimator.has_critic:
+            raise ValueError(f"pretrain_steps={pretrain_steps}, warmup_steps={warmup_steps}: "
+                             f"{type(estimator).__name__} has no critic to train alone")
+        self.policy_trainer = policy
+        self.estimator = estimator
+        self.sampler = sampler
+        self.max_steps = max_steps
+        self.batch_size = batch_size
+        self.pretrain_steps = pretrain_steps
+        self.pretrain_min_ev = pretrain_min_ev
+        self.warmup_steps = warmup_steps
+        self.checkpoint_every = checkpoint_every
+        self.collective = collective
+        main = collective.is_main
+        self._publisher = publisher if main else None
+        self._serialize = serialize
+        self._logger = logger if main else None
+        self._checkpoint_root = checkpoint_root
+        self._tokenizer = tokenizer
+        self._keep = keep_checkpoints
+        self._pad_id = pad_id
+        self._stop = threading.Event()
+        self._report_lock = threading.Lock()
+        self._start_time = time.time()
+        self.version = 0                 # policy steps done = policy version
+        self.critic_only_steps = 0       # value-pretraining and warm-up steps done
+        self.warmup_done = 0             # of which warm-up steps
+        self.consumed_without_version = 0  # rollouts those steps consumed (admission credit)
+        self.rollouts_trained = 0
+        self.pretrain_done = False
+        self.resumed_from: Optional[int] = None   # version of the checkpoint resumed from
+        self.resume_publish_conflicts = 0         # republished versions the server refused
+        self.checkpointed_version: Optional[int] = None
+        sampler.on_drop = self._on_drop
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self.policy_trainer.policy
+
+    @property
+    def source(self) -> core.RolloutSource:
+        return self.sampler.source
+
+    @property
+    def dropped_stale(self) -> int:
+        return self.sampler.dropped
+
+    # --- core interfaces ------------------------------------------------------------------------
+    def get_variables(self) -> Tuple[int, dict]:
+        return self.version, sync_state_dict(self.policy)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # --- the math ---------------------------------------------------------------------------------
+    def update(self, batch: Batch, train_policy: bool = True) -> Dict[str, float]:
+        """Estimate, policy step (unless not train_policy), estimator update; statistics. Does
+        not bump the version."""
+        estimate = self.estimator.estimate(batch)
+        stats: Dict[str, float] = dict(estimate.stats)
+        if train_policy:
+            stats.update(self.policy_trainer.step(batch, estimate.advantages))
+        stats.update(self.estimator.update(batch, estimate))
+        mask = batch.action_mask.bool()
+        n, s = self.collective.sum([float(mask.sum()), float(estimate.advantages[mask].sum())])
+        stats["advantage_mean"] = s / n if n else 0.0
+        return stats
+
+    # --- progress: admission credit, publishing -------------------------------------------------
+    @property
+    def credit(self) -> int:
+        """Rollouts admitted that will never count toward a version: dropped as too stale (by
+        any rank) or consumed by critic-only steps."""
+        return self.collective_dropped() + self.consumed_without_version
+
+    def collective_dropped(self) -> int:
+        """Rollouts dropped as too stale by every rank (a group keeps the sum in its store)."""
+        if self.collective.world_size == 1:
+            return self.sampler.dropped
+        return int(self.collective.counter_total("dropped", 0))
+
+    def _on_drop(self, rollouts: List[Rollout]) -> None:
+        """The sampler dropped stale rollouts: count them group-wide and report the credit at
+        once (actors that filled their admission quota with them would otherwise wait for a
+        version that never comes)."""
+        if self.collective.world_size > 1:
+            self.collective.counter_total("dropped", len(rollouts))
+        self.report_progress()
+
+    def report_progress(self) -> None:
+        """Sends the admission credit and counters to the variable server (rank 0; a small
+        message, no weights)."""
+        if self._publisher is None:
+            return
+        with self._report_lock:
+            try:
+                self._publisher.report_progress(
+                    version=self.version, dropped_total=self.credit,
+                    trained_total=self.rollouts_trained * self.collective.world_size)
+            except Exception as e:   # the variable server is away (restarting): next time
+                logging.log_every_n_seconds(logging.WARNING, "progress report failed: %s", 30, e)
+
+    def publish(self) -> None:
+        """Publishes the current version's weights (rank 0)."""
+        if self._publisher is None:
+            return
+        payload = self._serialize(sync_state_dict(self.policy))
+        try:
+            self._publisher.publish(self.version, payload, dropped_total=self.credit)
+        except Exception as e:
+            # A resumed learner redoes the steps its crashed predecessor published (journal.py):
+            # the server refuses versions older than its newest ("not newer") and accepts its
+            # newest again only with identical weights; anything else means the redo diverged.
+            code = getattr(getattr(e, "code", None), "name", "")
+            if self.resumed_from is None or code != "FAILED_PRECONDITION":
+                raise
+            if "different payload" in str(e):
+                self.resume_publish_conflicts += 1
+                logging.warning("resumed learner: version %d differs from the one published "
+                                "before the crash (the redo diverged): %s", self.version, e)
+            else:
+                logging.info("resumed learner: version %d was published before the crash",
+                             self.version)
+
+    def _log(self, row: dict) -> None:
+        if self._logger is not None:
+            self._logger.write(row)
+
+    # --- steps ----------------------------------------------------------------------------------
+    def critic_only_step(self, kind: str) -> Dict[str, float]:
+        """One critic-only step (value pretraining or warm-up) on a fresh batch; the version
+        does not change."""
+        rollouts, _, _ = self.sampler.sample(self.batch_size, self.version, self._stop)
+        if not rollouts:
+            return {}
+        stats = self.update(collate(rollouts, self._pad_id), train_policy=False)
+        self.critic_only_steps += 1
+        self.warmup_done += kind == "critic_warmup"
+        self.consumed_without_version += int(self.collective.sum([len(rollouts)])[0])
+        stats = {f"{kind}_step": self.critic_only_steps, "policy_version": self.version, **stats}
+        self._log({"kind": kind, **stats})
+        self.report_progress()
+        return stats
+
+    def pretrain_value(self) -> Dict[str, float]:
+        """Value pretraining: up to pretrain_steps critic-only steps, stopping early once
+        explained variance reaches pretrain_min_ev."""
+        stats: Dict[str, float] = {}
+        for _ in range(self.pretrain_steps):
+            if self._stop.is_set():
+                break
+            stats = self.critic_only_step("value_pretrain")
+            if stats and stats["explained_variance"] >= self.pretrain_min_ev:
+                break
+        return stats
+
+    def step(self) -> Dict[str, float]:
+        """One policy step (see the module docstring); {} when stopped before a batch came."""
+        t_start = time.time()
+        replaying = self.source.replaying
+        rollouts, waited, dropped = self.sampler.sample(self.batch_size, self.version,
+                                                        self._stop)
+        if not rollouts:
+            return {}
+        batch = collate(rollouts, self._pad_id)
+        stats = self.update(batch)
+        trained_version = self.version
+        self.version += 1
+        self.rollouts_trained += len(rollouts)
+        self.publish()
+        self.report_progress()
+        elapsed = time.time() - t_start
+        stats.update(self._batch_stats(batch, rollouts, trained_version))
+        tokens, trained = self.collective.sum([float(batch.attention_mask.sum()),
+                                               self.rollouts_trained])
+        stats.update({
+            "step": self.version, "policy_version": self.version,
+            "dropped_stale": self.collective_dropped(), "dropped_stale_step": dropped,
+            "learner_wait_frac": waited / max(elapsed, 1e-9), "step_time_s": elapsed,
+            "samples_per_s": len(rollouts) * self.collective.world_size / max(elapsed, 1e-9),
+            "tokens_per_s": tokens / max(elapsed, 1e-9),
+            "queue_size": self.source.queue_size(), "rollouts_trained": int(trained),
+            "wall_time_s": time.time() - self._start_time,
+            "dis_masked_frac": stats.get("masked_frac", 0.0),
+            "learners": self.collective.world_size,
+        })
+        if self.resumed_from is not None:
+            stats.update({"resumed_from": self.resumed_from, "replayed": int(replaying),
+                          "resume_publish_conflicts": self.resume_publish_conflicts})
+        self._log(stats)
+        if self.checkpoint_every and self.version % self.checkpoint_every == 0:
+            self.save_checkpoint()
+        return stats
+
+    def _batch_stats(self, batch: Batch, rollouts: Sequence[Rollout],
+                     version: int) -> Dict[str, float]:
+        """Staleness, reward and length statistics of the whole group's batch."""
+        mask = batch.action_mask.bool()
+        token_staleness = (version - batch.versions)[mask].double()
+        staleness = [r.staleness(version) for r in rollouts]
+        rewards = [r.total_reward for r in rollouts]
+        parts = self.collective.gather_objects(
+            (staleness, rewards, float(token_staleness.sum()), int(token_staleness.numel()),
+             float(mask.sum(1).double().sum())))
+        staleness = [s for p in parts for s in p[0]]
+        rewards = np.array([r for p in parts for r in p[1]])
+        n_tokens = sum(p[3] for p in parts)
+        hist = np.bincount(np.array(staleness, dtype=np.int64),
+                           minlength=self.sampler.max_staleness + 1)
+        return {
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "staleness_mean": sum(p[2] for p in parts) / n_tokens if n_tokens else 0.0,
+            "staleness_max": int(max(staleness)), "staleness_hist": hist.tolist(),
+            "response_length_mean": sum(p[4] for p in parts) / len(staleness),
+            "batch_size": len(staleness),
+        }
+
+    def run(self) -> None:
+        self._start_time = time.time()
+        self.publish()   # version 0: the warm start (or the version resumed from)
+        self.report_progress()
+        if not self.pretrain_done:
+            if self.pretrain_steps:
+                self.pretrain_value()
+            while self.warmup_done < self.warmup_steps and not self._stop.is_set():
+                self.critic_only_step("critic_warmup")
+            self.pretrain_done = not self._stop.is_set()
+        while self.version < self.max_steps and not self._stop.is_set():
+            self.step()
+        if self._checkpoint_root is not None and self.version > 0:
+            self.save_checkpoint()
+        logging.info("learner finished at version %d (%d rollouts trained, %d dropped stale)",
+                     self.version, self.rollouts_trained, self.dropped_stale)
+
+    # --- state and checkpoints ------------------------------------------------------------------
+    def learner_state(self) -> dict:
+        """Everything but the policy weights that a resumed learner needs to continue exactly."""
+        return {
+            "version": self.version, "policy": self.policy_trainer.state_dict(),
+            "estimator": self.estimator.state_dict(), "sampler": self.sampler.state_dict(),
+            "critic_only_steps": self.critic_only_steps, "warmup_done": self.warmup_done,
+            "consumed_without_version": self.consumed_without_version,
+            "rollouts_trained": self.rollouts_trained, "pretrain_done": self.pretrain_done,
+            # For accounting: rollouts taken from replay that no step has used yet.
+            "reader_buffered": self.source.buffered,
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                    "python": random.getstate()},
+        }
+
+    def restore(self, state: dict) -> None:
+        """Loads `learner_state()` output (the policy weights are loaded separately)."""
+        self.estimator.load_state_dict(state["estimator"])
+        self.policy_trainer.load_state_dict(state["policy"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.version = int(state["version"])
+        self.critic_only_steps = int(state.get("critic_only_steps", 0))
+        self.warmup_done = int(state.get("warmup_done", 0))
+        self.consumed_without_version = int(state.get("consumed_without_version", 0))
+        self.rollouts_trained = int(state["rollouts_trained"])
+        self.pretrain_done = bool(state.get("pretrain_done", self.version > 0))
+        if self.collective.world_size > 1:   # the group's store counts anew: add this rank's
+            self.collective.counter_total("dropped", self.sampler.dropped)
+        rng = state.get("rng")
+        if rng:
+            torch.set_rng_state(rng["torch"])
+            np.random.set_state(rng["numpy"])
+            random.setstate(rng["python"])
+        self.resumed_from = self.version
+
+    def save_checkpoint(self) -> Optional[str]:
+        """Writes checkpoints/step_<version>/ (see the module docstring) with the journal
+        rotated; every rank must call it. Returns the path (rank 0) or None."""
+        if self._checkpoint_root is None:
+            return None
+        step = self.version
+        path = checkpoint_path(self._checkpoint_root, step)
+        if self.checkpointed_version == step:
+            return path
+        weights = distributed.full_state_dict(self.policy)   # a collective under fsdp2
+        state = self.learner_state()
+
+        def commit() -> Optional[str]:
+            self.collective.barrier()          # every rank's new journal segment is on disk
+            if self.collective.is_main:
+                tmp = f"{path}.tmp-{os.getpid()}"
+                shutil.rmtree(tmp, ignore_errors=True)
+                save_checkpoint(_WithStateDict(self.policy, weights), self._tokenizer, tmp)
+                torch.save(state, os.path.join(tmp, LEARNER_STATE_FILE))
+                if os.path.exists(path):
+                    shutil.rmtree(path)
+                os.replace(tmp, path)
+            self.collective.barrier()          # the checkpoint is complete before old segments go
+            return path
+
+        result = self.source.checkpoint(step, commit)
+        self.checkpointed_version = step
+        if self.collective.is_main:
+            prune_checkpoints(self._checkpoint_root, self._keep)
+        return result if self.collective.is_main else None
+
+
+class _WithStateDict:
+    """`model` for save_pretrained, with `weights` (gathered on rank 0) as its state dict."""
+
+    def __init__(self, model: torch.nn.Module, weights: dict):
+        self._model, self._weights = model, weights
+
+    def get_input_embeddings(self):
+        return self._model.get_input_embeddings()
+
+    def save_pretrained(self, path: str, **kwargs) -> None:
+        self._model.save_pretrained(path, state_dict=self._weights, **kwargs)

@@ -1,0 +1,248 @@
+"""The policy side of a learner step: log-probs of the sampling distribution and the policy
+optimizer step, over minibatches and token-budget micro-batches, on one rank or a group.
+
+One call of `PolicyTrainer.step(batch, advantages)`:
+  for each of `policy_minibatches` slices of the batch's rows (one optimizer step each):
+    the slice's loss denominator is summed over the learner group first (all its action tokens,
+    the loss normalisation of docs/METHOD.md), then for each micro-batch of at most
+    `micro_batch_tokens` padded tokens: log-probs (with gradient), the loss divided by that
+    global denominator, backward (gradients accumulate);
+    the gradients are summed over the group, clipped to `max_grad_norm`, and the optimizer
+    steps, unless the loss or the gradient norm is not finite: then the gradients are dropped,
+    the step is skipped and counted (`nonfinite_skipped`), and the weights stay as they were.
+  With loss_normalization="kept_tokens" the gradients are rescaled once the kept count is known
+  (action tokens / kept tokens), which equals dividing by the kept count from the start.
+So a micro-batched (or 2-rank) step gives the parameters of the whole-batch step.
+
+Statistics are exact batch statistics: the per-token log-probs of every micro-batch (and every
+rank) are put back together and the loss function's statistics are computed once on the whole
+batch (`whole_batch_stats`).
+
+Log-probs: log pi_theta(x_t | x_<t) under the rollouts' sampling distribution (temperature and
+top_p, `distributions.py`), over the first `token_limit` rows of the LM head. With
+`fused_logprobs` and top_p = 1 the LM head runs inside `kernels.fused_logprobs` on the hidden
+states (never an [N, V] tensor); with top_p < 1 the nucleus needs every logit of a row, computed
+for a few rows at a time. dtype="bfloat16" runs the forward and backward under autocast: bf16
+activations and matmuls, fp32 master weights, gradients and optimizer state.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from absl import logging
+
+from sao_actor_learner import kernels
+from sao_actor_learner.config.learner import LearnerConfig
+from sao_actor_learner.distributions import sampling_logprobs
+from sao_actor_learner.learner import distributed, losses, minibatches
+from sao_actor_learner.models.value import base_model_of
+from sao_actor_learner.types import Batch
+
+_NUCLEUS_ROWS = 4096   # rows of logits held at once on the top_p < 1 path
+
+
+def autocast(dtype: str, device: torch.device):
+    """The autocast context of `dtype` ("bfloat16": bf16 compute; "float32": none)."""
+    if dtype == "bfloat16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def gather_rows(collective: distributed.Collective, tensors: Dict[str, torch.Tensor]
+                ) -> Dict[str, torch.Tensor]:
+    """[B, T] tensors of every rank stacked into [sum B, max T] (zero-padded on the right)."""
+    if collective.world_size == 1:
+        return tensors
+    parts = collective.gather_objects({k: v.detach().cpu() for k, v in tensors.items()})
+    width = max(p[k].shape[1] for p in parts for k in p)
+    out = {}
+    for key in tensors:
+        padded = [torch.nn.functional.pad(p[key], (0, width - p[key].shape[1])) for p in parts]
+        out[key] = torch.cat(padded, dim=0)
+    return out
+
+
+class PolicyTrainer:
+    """The policy, its AdamW optimizer and how a policy step runs (see the module docstring).
+
+    Args:
+      policy: a Hugging Face causal LM (prepared for the group's strategy).
+      config: the learner section (loss, lr, minibatches, micro_batch_tokens, dtype, kernels).
+      temperature, top_p: the rollouts' sampling distribution.
+      token_limit: log-probs are over the first token_limit rows of the LM head; None: all.
+      collective: the learner group (distributed.SINGLE for one process).
+    """
+
+    def __init__(self, policy: torch.nn.Module, config: LearnerConfig, temperature: float = 1.0,
+                 top_p: float = 1.0, token_limit: Optional[int] = None,
+                 collective: distributed.Collective = distributed.SINGLE):
+        self.policy = policy
+        self.config = config
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.token_limit = token_limit
+        self.collective = collective
+        self.params = [p for p in policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.policy_lr, betas=(0.9, 0.999),
+                                           weight_decay=0.0)
+        self.nonfinite_skipped = 0
+        if config.gradient_checkpointing:
+            policy.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    @property
+    def device(self) -> torch.device:
+        return self.policy.get_input_embeddings().weight.device
+
+    # Log-probs -----------------------------------------------------------------------------
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """[B, T] float32 log pi_theta(x_t | x_<t) (position 0: 0), differentiable unless called
+        under no_grad; one forward over the whole `batch`."""
+        cfg = self.config
+        with autocast(cfg.dtype, self.device):
+            head = self.policy.get_output_embeddings()
+            weight = head.weight if self.token_limit is None else head.weight[:self.token_limit]
+            targets = batch.tokens[:, 1:]
+            if cfg.fused_logprobs and getattr(head, "bias", None) is None and self.top_p >= 1.0:
+                hidden = base_model_of(self.policy)(
+                    input_ids=batch.tokens, attention_mask=batch.attention_mask).last_hidden_state
+                h = hidden[:, :-1]
+                w = weight.to(h.dtype) if cfg.kernel_backend != "torch" else weight
+                picked = kernels.fused_logprobs(h, w, targets, temperature=self.temperature,
+                                                backend=cfg.kernel_backend).float()
+            else:
+                hidden = base_model_of(self.policy)(
+                    input_ids=batch.tokens, attention_mask=batch.attention_mask).last_hidden_state
+                picked = self._nucleus_logprobs(hidden[:, :-1], head, weight, targets)
+        return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+
+    def _nucleus_logprobs(self, hidden: torch.Tensor, head: torch.nn.Module,
+                          weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Log-probs of `targets` under sampling_logprobs, a few rows of logits at a time."""
+        B, T, H = hidden.shape
+        flat_h, flat_t = hidden.reshape(-1, H), targets.reshape(-1)
+        bias = getattr(head, "bias", None)
+        out = []
+        for start in range(0, flat_h.shape[0], _NUCLEUS_ROWS):
+            h = flat_h[start:start + _NUCLEUS_ROWS]
+            logits = torch.nn.functional.linear(
+                h, weight, None if bias is None else bias[:weight.shape[0]])
+            logp = sampling_logprobs(logits, self.temperature, self.top_p)
+            out.append(logp.gather(-1, flat_t[start:start + _NUCLEUS_ROWS, None])[:, 0])
+        return torch.cat(out).reshape(B, T)
+
+    def logprobs_no_grad(self, batch: Batch) -> torch.Tensor:
+        """[B, T] log-probs of the whole batch without gradient, micro-batch by micro-batch."""
+        out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        with torch.no_grad():
+            for rows in minibatches.pack_by_tokens(batch.lengths.tolist(),
+                                                   self.config.micro_batch_tokens):
+                micro = minibatches.select_rows(batch, rows, trim=True)
+                out[torch.as_tensor(rows), :micro.tokens.shape[1]] = self.logprobs(micro).cpu()
+        return out
+
+    # The step ---------------------------------------------------------------------------------
+    def step(self, batch: Batch, advantages: torch.Tensor,
+             old_logp: Optional[torch.Tensor] = None) -> Dict[str, float]:
+        """Policy optimizer steps on `batch` (see the module docstring); returns whole-batch
+        statistics (those of config.policy_loss, plus policy_grad_norm)."""
+        cfg = self.config
+        self.policy.train()
+        if cfg.policy_loss in losses.NEEDS_OLD_LOGP and old_logp is None:
+            old_logp = self.logprobs_no_grad(batch)
+        logp_all = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        norms: List[float] = []
+        for rows in minibatches.row_splits(batch.size, cfg.policy_minibatches):
+            mb = batch if len(rows) == batch.size else minibatches.select_rows(batch, rows)
+            norms.append(self._optimizer_step(mb, rows, advantages, old_logp, logp_all))
+        stats = self.whole_batch_stats(batch, logp_all, advantages, old_logp)
+        finite = [n for n in norms if n == n and n != float("inf")]
+        stats["policy_grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
+        stats["policy_minibatches"] = len(norms)
+        stats["nonfinite_skipped"] = self.nonfinite_skipped
+        return stats
+
+    def _optimizer_step(self, mb: Batch, rows: Sequence[int], advantages: torch.Tensor,
+                        old_logp: Optional[torch.Tensor], logp_all: torch.Tensor) -> float:
+        cfg = self.config
+        rows_t = torch.as_tensor(rows)
+        adv, old = advantages[rows_t], None if old_logp is None else old_logp[rows_t]
+        n_actions = self.collective.sum([float(mb.action_mask.sum())])[0]
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total, kept = 0.0, 0.0
+        for micro_rows in minibatches.pack_by_tokens(mb.lengths.tolist(),
+                                                     cfg.micro_batch_tokens):
+            micro = minibatches.select_rows(mb, micro_rows, trim=True)
+            width = micro.tokens.shape[1]
+            m = torch.as_tensor(micro_rows)
+            logp = self.logprobs(micro)
+            loss, s = self._loss(micro, logp, adv[m, :width],
+                                 None if old is None else old[m, :width], n_actions)
+            loss.backward()
+            loss_total += float(loss.detach())
+            kept += s["num_kept_tokens"]
+            logp_all[rows_t[m], :width] = logp.detach().cpu()
+        distributed.all_reduce_gradients(self.params, self.collective)
+        if cfg.loss_normalization == "kept_tokens":
+            kept_total = self.collective.sum([kept])[0]
+            scale = n_actions / max(kept_total, 1.0)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        norm = distributed.clip_grad_norm(self.params, cfg.max_grad_norm, self.collective)
+        loss_total = self.collective.sum([loss_total])[0]
+        if not all(x == x and abs(x) != float("inf") for x in (norm, loss_total)):
+            self.nonfinite_skipped += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            logging.warning("policy step skipped: non-finite loss %s or gradient norm %s (%d "
+                            "skipped so far); the weights are unchanged", loss_total, norm,
+                            self.nonfinite_skipped)
+            return norm
+        self.optimizer.step()
+        return norm
+
+    def _loss(self, batch: Batch, logp: torch.Tensor, advantages: torch.Tensor,
+              old_logp: Optional[torch.Tensor], normalizer: Optional[float]):
+        """(loss, stats) of config.policy_loss; DIS runs on the kernel dispatcher."""
+        cfg = self.config
+        if cfg.policy_loss == "dis":
+            return kernels.dis_loss(logp, batch.rollout_logp, advantages, batch.action_mask,
+                                    cfg.eps_low, cfg.eps_high, cfg.loss_normalization,
+                                    backend=cfg.kernel_backend, normalizer=normalizer)
+        return losses.policy_loss(cfg.policy_loss, logp, batch.rollout_logp, advantages,
+                                  batch.action_mask, old_logp, eps_low=cfg.eps_low,
+                                  eps_high=cfg.eps_high, clip_low=cfg.ppo_clip_low,
+                                  clip_high=cfg.ppo_clip_high, tis_cap=cfg.tis_cap,
+                                  icepop_low=cfg.icepop_low, icepop_high=cfg.icepop_high,
+                                  normalization=cfg.loss_normalization, normalizer=normalizer)
+
+    def whole_batch_stats(self, batch: Batch, logp: torch.Tensor, advantages: torch.Tensor,
+                          old_logp: Optional[torch.Tensor]) -> Dict[str, float]:
+        """The loss's statistics on the whole batch of the whole group, from the detached
+        per-token log-probs the step computed (the loss value included: it is the loss of the
+        parameters before the step, as every micro-batch saw them)."""
+        tensors = {"logp": logp, "rollout_logp": batch.rollout_logp.float(),
+                   "advantages": advantages.float(), "mask": batch.action_mask.float()}
+        if old_logp is not None:
+            tensors["old_logp"] = old_logp.float()
+        t = gather_rows(self.collective, tensors)
+        with torch.no_grad():
+            _, stats = losses.policy_loss(
+                self.config.policy_loss, t["logp"], t["rollout_logp"], t["advantages"],
+                t["mask"], t.get("old_logp"), eps_low=self.config.eps_low,
+                eps_high=self.config.eps_high, clip_low=self.config.ppo_clip_low,
+                clip_high=self.config.ppo_clip_high, tis_cap=self.config.tis_cap,
+                icepop_low=self.config.icepop_low, icepop_high=self.config.icepop_high,
+                normalization=self.config.loss_normalization)
+        return stats
+
+    # Checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(),
+                "nonfinite_skipped": self.nonfinite_skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))

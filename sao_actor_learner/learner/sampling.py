@@ -1,0 +1,106 @@
+"""How a learner step draws its rollouts: single rollouts, or whole groups, within the bound.
+
+Staleness (docs/METHOD.md, asynchrony): a rollout trained at version v has staleness
+v - (the oldest version among its action tokens). Nothing staler than `max_staleness` is trained
+on: `RolloutSampler` drops such rollouts (and `GroupSampler` drops a whole group when any member
+is too stale), counts them, and tells `on_drop` (the learner reports the new admission credit).
+Both return early when `stop` is set.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, List, Optional, Tuple
+
+from sao_actor_learner import core
+from sao_actor_learner.learner.grpo import GroupAssembler
+from sao_actor_learner.types import Rollout
+
+DropCallback = Callable[[List[Rollout]], None]
+
+
+class RolloutSampler:
+    """n rollouts no staler than max_staleness from `source`, oldest first.
+
+    Args:
+      source: the learner's RolloutSource (replay through the journal).
+      max_staleness: eta.
+      on_drop: called with the rollouts just dropped as too stale (None: nobody).
+    """
+
+    def __init__(self, source: core.RolloutSource, max_staleness: int,
+                 on_drop: Optional[DropCallback] = None):
+        self.source = source
+        self.max_staleness = max_staleness
+        self.on_drop = on_drop
+        self.dropped = 0                   # rollouts dropped for staleness, in total
+
+    def is_stale(self, rollout: Rollout, version: int) -> bool:
+        return rollout.staleness(version) > self.max_staleness
+
+    def _drop(self, rollouts: List[Rollout]) -> None:
+        self.dropped += len(rollouts)
+        if self.on_drop is not None:
+            self.on_drop(rollouts)
+
+    def sample(self, n: int, version: int, stop: threading.Event
+               ) -> Tuple[List[Rollout], float, int]:
+        """(rollouts, seconds spent waiting, dropped now)."""
+        fresh: List[Rollout] = []
+        waited, dropped = 0.0, 0
+        while len(fresh) < n and not stop.is_set():
+            t0 = time.time()
+            got = self.source.sample(n - len(fresh), timeout_s=1.0)
+            waited += time.time() - t0
+            stale = [r for r in got if self.is_stale(r, version)]
+            fresh.extend(r for r in got if not self.is_stale(r, version))
+            if stale:
+                dropped += len(stale)
+                self._drop(stale)
+        return fresh, waited, dropped
+
+    def state_dict(self) -> dict:
+        return {"dropped": self.dropped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dropped = int(state.get("dropped", 0))
+
+
+class GroupSampler(RolloutSampler):
+    """n // group_size whole groups (members share group_id), none with a member staler than
+    max_staleness; groups may arrive interleaved, `GroupAssembler` holds members until their
+    group is complete."""
+
+    def __init__(self, source: core.RolloutSource, max_staleness: int, group_size: int,
+                 on_drop: Optional[DropCallback] = None):
+        super().__init__(source, max_staleness, on_drop)
+        self.group_size = group_size
+        self.assembler = GroupAssembler(group_size)
+
+    def sample(self, n: int, version: int, stop: threading.Event
+               ) -> Tuple[List[Rollout], float, int]:
+        G = self.group_size
+        want = n // G
+        groups: List[List[Rollout]] = []
+        waited, dropped = 0.0, 0
+        while len(groups) < want and not stop.is_set():
+            stale = self.assembler.drop_stale(lambda r: self.is_stale(r, version))
+            if stale:
+                dropped += len(stale)
+                self._drop(stale)
+            groups += self.assembler.pop_complete(want - len(groups))
+            if len(groups) >= want:
+                break
+            missing = (want - len(groups)) * G - self.assembler.num_buffered
+            t0 = time.time()
+            self.assembler.add(self.source.sample(max(missing, G), timeout_s=1.0))
+            waited += time.time() - t0
+        return [r for g in groups for r in g], waited, dropped
+
+    def state_dict(self) -> dict:
+        return {"dropped": self.dropped, "assembler": self.assembler}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if state.get("assembler") is not None:
+            self.assembler = state["assembler"]
