@@ -90,6 +90,11 @@ def test_every_call_needs_the_auth_token(server):
             timeout=5),
         "Publish": lambda md: channel.stream_unary(f"/{SERVICE_NAME}/Publish")(
             iter(_chunks(1, weights(1))), metadata=md, timeout=5),
+        "ReportProgress": lambda md: channel.unary_unary(f"/{SERVICE_NAME}/ReportProgress")(
+            variables_pb2.ProgressReport(dropped_total=9).SerializeToString(), metadata=md,
+            timeout=5),
+        "Acknowledged": lambda md: channel.unary_unary(f"/{SERVICE_NAME}/Acknowledged")(
+            variables_pb2.AckRequest(actor_id=1).SerializeToString(), metadata=md, timeout=5),
     }
     for method, call in calls.items():
         for md, why in ((None, "needs the auth token"),
@@ -100,17 +105,24 @@ def test_every_call_needs_the_auth_token(server):
                 call(md)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, method
             assert why in e.value.details() and AUTH not in e.value.details()
-    assert server.stats()["rejected_unauthenticated"] == 12
+    assert server.stats()["rejected_unauthenticated"] == 3 * len(calls)
     assert server.stats()["started_total"] == 0                 # no admission slipped through
+    assert server.stats()["dropped_total"] == 0 and server.progress() is None
 
     # The clients send it on every call; without it they fail with a clear error.
     with pytest.raises(VariableClientError, match="UNAUTHENTICATED"):
         client(server, auth="").update_and_wait(timeout_s=5)
     with pytest.raises(VariableClientError, match="UNAUTHENTICATED"):
         client(server, auth="").admit("a", 1)
+    with pytest.raises(VariableClientError, match="UNAUTHENTICATED"):
+        client(server, auth="").acknowledged(1)
+    with pytest.raises(VariableClientError, match="UNAUTHENTICATED"):
+        publisher(server, auth="").report_progress(0, 1, 0, 0, {})
     good = client(server)
     assert good.update_and_wait(timeout_s=10) == 0 and good.admit("a", 1) == 1
     assert good.params == weights(0)
+    assert publisher(server).report_progress(0, 1, 2, 0, {1: (3, [])}).credit == 1
+    assert good.acknowledged(1).watermark == 3
     channel.close()
 
 
@@ -233,6 +245,7 @@ def test_message_size_limits(tmp_path):
 def test_fuzz_1200_malformed_requests_and_the_server_still_serves(server):
     good = weights(0)
     publisher(server).publish(0, good)
+    publisher(server).report_progress(0, 50, 0, 0, {0: (7, [])})
     channel = grpc.insecure_channel(server.address, options=[
         ("grpc.max_send_message_length", 64 << 20)])
     rng = random.Random(7)
@@ -240,13 +253,19 @@ def test_fuzz_1200_malformed_requests_and_the_server_still_serves(server):
                grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
                grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
                grpc.StatusCode.UNIMPLEMENTED}
-    unary = {m: channel.unary_unary(f"/{SERVICE_NAME}/{m}") for m in ("LatestVersion", "Admit")}
+    unary = {m: channel.unary_unary(f"/{SERVICE_NAME}/{m}")
+             for m in ("LatestVersion", "Admit", "ReportProgress", "Acknowledged")}
     fetch = channel.unary_stream(f"/{SERVICE_NAME}/FetchWeights")
     publish = channel.stream_unary(f"/{SERVICE_NAME}/Publish")
     payload = weights(3)
 
     def garbage(lo=0, hi=300):
         return rng.randbytes(rng.randrange(lo, hi))
+
+    def report(acks=0, seqs=0, dropped_total=50):
+        return variables_pb2.ProgressReport(version=0, dropped_total=dropped_total, acks=[
+            variables_pb2.ActorAck(actor_id=i, seqs=range(seqs if i == 0 else 0))
+            for i in range(max(acks, 1))]).SerializeToString()
 
     def metadata():
         roll = rng.random()
@@ -282,6 +301,18 @@ def test_fuzz_1200_malformed_requests_and_the_server_still_serves(server):
                         metadata=((AUTH_TOKEN_METADATA_KEY, AUTH),)),             # no pub token
         lambda: channel.unary_unary(f"/{SERVICE_NAME}/{garbage(1, 9).hex()}")(
             b"", metadata=BOTH, timeout=5),                                      # no such method
+        lambda: unary["ReportProgress"](garbage(), metadata=metadata(), timeout=5),
+        lambda: unary["Acknowledged"](garbage(), metadata=metadata(), timeout=5),
+        lambda: unary["ReportProgress"](report(acks=rng.randrange(4097, 5000)),
+                                        metadata=BOTH, timeout=5),               # too many acks
+        lambda: unary["ReportProgress"](report(seqs=rng.randrange(65537, 70000)),
+                                        metadata=BOTH, timeout=5),               # too many seqs
+        lambda: unary["ReportProgress"](report(), timeout=5, metadata=(
+            (AUTH_TOKEN_METADATA_KEY, AUTH), (PUBLISHER_TOKEN_METADATA_KEY, garbage(1).hex()))),
+        lambda: unary["ReportProgress"](report(dropped_total=-rng.randrange(1, 9)),
+                                        metadata=BOTH, timeout=5),
+        lambda: unary["ReportProgress"](report(dropped_total=0), metadata=BOTH,
+                                        timeout=5),                              # goes backwards
     ]
     seen = {}
     n = 0
@@ -305,10 +336,14 @@ def test_fuzz_1200_malformed_requests_and_the_server_still_serves(server):
     # requests among the random ones (an Admit whose random bytes parse as a valid request).
     oks = sum(v for (kind, code), v in seen.items() if code == "OK")
     assert oks <= 20, seen
-    for kind in (3, 4, 7, 8, 9, 11, 12, 13):
+    for kind in (3, 4, 7, 8, 9, 11, 12, 13, 17, 18, 19, 20, 21):
         assert seen.get((kind, "OK"), 0) == 0, (kind, seen)
-    assert seen[(13, "PERMISSION_DENIED")] == 1200 // len(kinds)
-    assert seen[(3, "NOT_FOUND")] == 1200 // len(kinds) + (3 < 1200 % len(kinds))
+    for kind, code in ((13, "PERMISSION_DENIED"), (19, "PERMISSION_DENIED"),
+                       (3, "NOT_FOUND"), (17, "INVALID_ARGUMENT"), (18, "INVALID_ARGUMENT"),
+                       (21, "FAILED_PRECONDITION")):
+        assert seen[(kind, code)] == 1200 // len(kinds) + (kind < 1200 % len(kinds)), kind
+    for kind in (15, 16):                                       # garbage for the new calls
+        assert seen.get((kind, "INVALID_ARGUMENT"), 0) > 10, (kind, seen)
     channel.close()
 
     # Still serving, correctly: the same version, then a good publish, fetch and admission.
@@ -317,6 +352,9 @@ def test_fuzz_1200_malformed_requests_and_the_server_still_serves(server):
     publisher(server).publish(1, weights(1))
     assert reader.update_and_wait(timeout_s=10) == 1 and reader.params == weights(1)
     assert client(server).admit("after-fuzz", 1) >= 0
+    assert client(server).acknowledged(0).watermark == 7        # the report before the fuzz
+    assert publisher(server).report_progress(1, 50, 2, 0, {0: (8, [])}).credit == 50
+    assert client(server).acknowledged(0).watermark == 8
     stats = server.stats()
     assert stats["rejected_Publish"] > 400 and stats["rejected_unauthenticated"] > 50
 

@@ -1,4 +1,4 @@
-"""The variable server's copy-free weight path (issue 8): hand-framed chunk messages checked
+"""The variable server's copy-free weight path: hand-framed chunk messages checked
 against protobuf, CRC-32 checks on both hops, receive buffers reused only when nothing references
 them, and state dicts streamed as views / decoded as views. Real gRPC on 127.0.0.1, no mocks."""
 from __future__ import annotations
@@ -203,7 +203,7 @@ def test_buffers_publish_crc_on_both_hops_and_reuse_never_changes_held_versions(
         if version >= 2:
             del held[version - 1]            # dropped: its buffers may now be reused; version 0
                                              # stays held (its buffers must never be)
-    assert server._buffers.reused >= 1 and client._buffers.reused >= 1
+    assert server._store.buffers.reused >= 1 and client._buffers.reused >= 1
     for version, (expected, params, views, server_view) in held.items():
         assert params == expected and bytes(server_view) == expected
         assert torch.equal(views["lm_head.weight"], _state_dict(version)["lm_head.weight"])

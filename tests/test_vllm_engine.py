@@ -27,6 +27,7 @@ from sao_actor_learner.core import Engine, SamplingParams
 from sao_actor_learner.engines import VLLMEngine, VLLMServer, VLLMServerError
 from sao_actor_learner.engines.torch_engine import _top_p_logprobs
 from sao_actor_learner.engines.vllm_engine import SERVER_DIR, resolve_vllm_python
+from sao_actor_learner.engines.vllm_weights import push_weights
 from sao_actor_learner.engines.vllm_server import procs
 from sao_actor_learner.models import CharTokenizer, make_tiny_model, save_checkpoint
 
@@ -194,7 +195,7 @@ def test_bad_weights_are_rejected_and_the_server_keeps_serving(served, tmp_path)
     bad_file = str(tmp_path / "bad.safetensors")
     save_file({**base, "lm_head.weight": torch.zeros(3, 3)}, bad_file)
     with pytest.raises(Exception, match="weight update rejected"):
-        engine._push(bad_file, version + 60, "keep")
+        push_weights(engine.server, bad_file, version + 60, "keep")
     assert engine.version == version and engine.server.pid == pid and engine.server.alive()
     after = engine.generate(PROMPTS, params)
     assert [g.tokens for g in after] == [g.tokens for g in before]

@@ -1,22 +1,20 @@
-"""Clients of the variable server: the learner's publisher and the actors' variable client.
+"""An actor's or evaluator's client of the variable server.
 
-`VariablePublisher` streams a new policy version (opaque bytes, or a sequence of buffers such as
-`ckpt.state_dict_to_buffers` gives, streamed without first joining them) in chunks with its
-CRC-32.
 `VariableClient` follows Acme's VariableClient: `update()` polls the server's newest version at
 most every `update_period_s` and fetches new weights in a background thread, so the caller
 (an actor's rollout loop) never blocks on it; `update_and_wait()` and `wait_for_version()` block.
+`admit_details` asks admission control; `acknowledged` asks which of the actor's rollouts the
+learner consumed for good.
 
-Both hold only their address and settings until the first call, so they can be built in one
-process and pickled into another (channels are created lazily, per process). Neither imports
-torch: `decode` (e.g. safetensors bytes -> state dict) is supplied by the caller and must be
-picklable (a module-level function) if the client is pickled.
+The client holds only its address and settings until the first call, so it can be built in
+one process and pickled into another (channel.py). It does not import torch: `decode` (e.g.
+safetensors bytes -> state dict) is supplied by the caller and must be picklable (a
+module-level function) if the client is pickled.
 
-This code copies weight bytes once on each side, gRPC's own copies aside (issue 8,
-BENCHMARKS.md section 4): chunk messages are framed around slices of the payload, and their data
-is located in the received bytes without protobuf's two copies (wire.py); a fetched version is
-assembled into the buffer of a version the client dropped once nothing references that any more
-(buffers.py), and checked against the server's CRC-32 (its sha256 when a server sends no CRC).
+Weight bytes are copied once, gRPC's own copies aside: chunk data is located in the received
+bytes without protobuf's two copies (wire.py); a fetched version is assembled into the buffer
+of a version the client dropped once nothing references that any more (buffers.py), and
+checked against the server's CRC-32 (its sha256 when a server sends no CRC).
 """
 from __future__ import annotations
 
@@ -24,40 +22,24 @@ import dataclasses
 import hashlib
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Optional, Tuple
 
 import grpc
 from absl import logging
 
 from sao_actor_learner import core
-from sao_actor_learner.protos_gen import variables_pb2, variables_pb2_grpc
+from sao_actor_learner.protos_gen import variables_pb2
 from sao_actor_learner.variables import wire
 from sao_actor_learner.variables.buffers import BufferPool, PayloadAssembler
-from sao_actor_learner.variables.security import auth_interceptor, channel_credentials
+from sao_actor_learner.variables.channel import (DEFAULT_MAX_MESSAGE_BYTES, RETRYABLE, SERVICE,
+                                                 LazyChannel, PublishError, VariableClientError,
+                                                 describe)
+from sao_actor_learner.variables.publisher import ProgressResult, VariablePublisher
+from sao_actor_learner.variables.security import PUBLISHER_TOKEN_METADATA_KEY
 
-PUBLISHER_TOKEN_METADATA_KEY = "x-sao-publisher-token"  # same as server.py (kept import-light)
-DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
-# Transient failures: the server is not up yet, restarting, or a call ran out of time.
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-              grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED)
-
-Payload = Union[bytes, bytearray, memoryview]
-# One buffer, or several streamed back to back as one payload (e.g. a safetensors header and
-# then each tensor's bytes: ckpt.state_dict_to_buffers).
-PublishPayload = Union[Payload, Sequence[Any]]
-_SERVICE = "/" + variables_pb2.DESCRIPTOR.services_by_name["VariableService"].full_name
-
-
-class VariableClientError(RuntimeError):
-    """A variable-server call failed; `code` is the gRPC status code (None if not a gRPC error)."""
-
-    def __init__(self, message: str, code: Optional[grpc.StatusCode] = None):
-        super().__init__(message)
-        self.code = code
-
-
-class PublishError(VariableClientError):
-    """The server refused or did not complete a publish."""
+__all__ = ["AckInfo", "AdmitResult", "ProgressResult", "PUBLISHER_TOKEN_METADATA_KEY",
+           "PublishError", "VariableClient", "VariableClientError", "VariablePublisher",
+           "VersionInfo"]
 
 
 class _CorruptFetch(Exception):
@@ -75,223 +57,29 @@ class VersionInfo:
 
 @dataclasses.dataclass(frozen=True)
 class AdmitResult:
-    """One admission decision (SAO.md section 6)."""
+    """One admission decision (AReaL's rule, admission.py)."""
     granted: int
     policy_version: int
     started_total: int
     capacity: int
 
 
-def _channel_options(max_message_bytes: int):
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        # Reconnect quickly when the server starts late or restarts (gRPC's default backs off
-        # up to 120 s).
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-        ("grpc.enable_http_proxy", 0),
-        *wire.BULK_TRANSFER_OPTIONS,
-    ]
+@dataclasses.dataclass(frozen=True)
+class AckInfo:
+    """What the learner's latest progress report says about one actor's rollouts (all zeros,
+    version -1, before any report)."""
+    loss_epoch: int                 # when it goes up, re-insert every unacknowledged rollout
+    watermark: int                  # every seq < watermark was consumed for good
+    seqs: Tuple[int, ...]           # and these (sorted, each >= watermark)
+    version: int
+    trained_total: int
+
+    def consumed(self, seq: int) -> bool:
+        """The learner consumed rollout `seq` for good: the actor may forget it."""
+        return seq < self.watermark or seq in self.seqs
 
 
-def _describe(e: grpc.RpcError) -> str:
-    try:
-        return f"{e.code().name}: {e.details()}"
-    except Exception:  # noqa: BLE001 - not every RpcError is a Call
-        return repr(e)
-
-
-class _LazyChannel:
-    """An address plus a channel made on first use in this process; pickles as the address."""
-
-    _PICKLED_FIELDS: Tuple[str, ...] = ()
-
-    def _init_channel(self, address: str, max_message_bytes: int, auth_token: str = "",
-                      tls_root_cert: Optional[bytes] = None, tls_server_name: str = "") -> None:
-        if not isinstance(address, str) or ":" not in address:
-            raise ValueError(f"address={address!r}: must be 'host:port' (e.g. the server's "
-                             "VariableServer.address)")
-        self._address = address
-        self._max_message_bytes = max_message_bytes
-        # Security (security.py): the auth token goes with every call; TLS when a root
-        # certificate is given (tls_server_name: the name the server's certificate carries,
-        # when it is not the address's host).
-        self.auth_token = auth_token
-        self.tls_root_cert = tls_root_cert
-        self.tls_server_name = tls_server_name
-        self._channel: Optional[grpc.Channel] = None
-        self._call_channel: Optional[grpc.Channel] = None   # with the auth interceptor
-        self._stub: Optional[variables_pb2_grpc.VariableServiceStub] = None
-        self._channel_lock = threading.Lock()
-        self._closed = False
-
-    @property
-    def address(self) -> str:
-        return self._address
-
-    def _get_stub(self) -> variables_pb2_grpc.VariableServiceStub:
-        with self._channel_lock:
-            if self._closed:
-                raise VariableClientError(f"{type(self).__name__}({self._address}) is closed")
-            if self._stub is None:
-                options = _channel_options(self._max_message_bytes)
-                if self.tls_root_cert is not None:
-                    if self.tls_server_name:
-                        options.append(("grpc.ssl_target_name_override", self.tls_server_name))
-                    self._channel = grpc.secure_channel(
-                        self._address, channel_credentials(self.tls_root_cert), options=options)
-                else:
-                    self._channel = grpc.insecure_channel(self._address, options=options)
-                channel = self._channel
-                if self.auth_token:
-                    channel = grpc.intercept_channel(channel, auth_interceptor(self.auth_token))
-                self._call_channel = channel
-                self._stub = variables_pb2_grpc.VariableServiceStub(channel)
-            return self._stub
-
-    def _get_channel(self) -> grpc.Channel:
-        """The channel calls go through (with the auth token when there is one)."""
-        self._get_stub()
-        return self._call_channel
-
-    def _close_channel(self) -> None:
-        with self._channel_lock:
-            self._closed = True
-            channel, self._channel, self._stub = self._channel, None, None
-            self._call_channel = None
-        if channel is not None:
-            channel.close()
-
-    def __getstate__(self):
-        return {k: getattr(self, k) for k in self._PICKLED_FIELDS}
-
-    def __setstate__(self, state):
-        self.__init__(**state)
-
-
-class VariablePublisher(_LazyChannel):
-    """The learner's side: publishes policy versions to a VariableServer.
-
-    Args:
-      address: "host:port" of the server.
-      publisher_token: the server's publisher token ("" if the server has none).
-      chunk_bytes: bytes of payload per streamed message; must stay below the server's
-        max_message_bytes.
-      format: payload format recorded with each version, e.g. "safetensors".
-      max_message_bytes: gRPC message limit on this side.
-      auth_token, tls_root_cert, tls_server_name: see security.py ("", None: off).
-    """
-
-    _PICKLED_FIELDS = ("address", "publisher_token", "chunk_bytes", "format",
-                       "max_message_bytes", "auth_token", "tls_root_cert", "tls_server_name")
-
-    def __init__(self, address: str, publisher_token: str, chunk_bytes: int = 1 << 20,
-                 format: str = "safetensors",  # noqa: A002 - the proto field's name
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, auth_token: str = "",
-                 tls_root_cert: Optional[bytes] = None, tls_server_name: str = ""):
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes={chunk_bytes}: must be >= 1")
-        self._init_channel(address, max_message_bytes, auth_token, tls_root_cert,
-                           tls_server_name)
-        self.publisher_token = publisher_token
-        self.chunk_bytes = chunk_bytes
-        self.format = format
-
-    @property
-    def max_message_bytes(self) -> int:
-        return self._max_message_bytes
-
-    def _chunks(self, version: int, views: List[memoryview], total: int,
-                dropped_total: int):
-        """Serialized PublishChunks of `views` (one payload): each is the small fields plus a
-        data field framed around slices of the views (one copy, into the bytes gRPC sends). The
-        CRC-32 of the payload, computed on the way, goes in the last chunk."""
-        crc = 0
-        part, part_offset = 0, 0
-        offset = 0
-        while True:
-            end = min(offset + self.chunk_bytes, total)
-            slices = []
-            need = end - offset
-            while need:
-                view = views[part]
-                take = min(need, view.nbytes - part_offset)
-                if take:
-                    piece = view[part_offset:part_offset + take]
-                    slices.append(piece)
-                    crc = wire.crc32(piece, crc)
-                    part_offset += take
-                    need -= take
-                if part_offset == view.nbytes:
-                    part, part_offset = part + 1, 0
-            head = variables_pb2.PublishChunk(version=version)
-            if offset == 0:
-                head.total_bytes = total
-                head.format = self.format
-                head.dropped_total = dropped_total
-            if end >= total:
-                head.crc32 = crc
-                head.last = True
-            yield wire.encode_chunk(head.SerializeToString(), slices)
-            if end >= total:
-                return
-            offset = end
-
-    def publish(self, version: int, payload: PublishPayload, dropped_total: int = 0,
-                timeout_s: float = 120.0) -> int:
-        """Streams `payload` as policy `version`; returns the version once the server holds it.
-
-        `payload`: bytes-like, or a list/tuple of bytes-likes sent back to back as one payload
-        (not copied first; they must not change until publish returns). Waits up to `timeout_s`
-        for the server to come up. `dropped_total`: rollouts the learner has dropped so far
-        (admission credit). Raises PublishError naming the cause.
-        """
-        if version < 0:
-            raise ValueError(f"version={version}: must be >= 0")
-        if dropped_total < 0:
-            raise ValueError(f"dropped_total={dropped_total}: must be >= 0")
-        parts = payload if isinstance(payload, (list, tuple)) else (payload,)
-        try:
-            views = [memoryview(p).cast("B") for p in parts]
-        except TypeError as e:
-            raise TypeError(f"publish payload: {e}; pass bytes, a bytearray, a memoryview or a "
-                            "list of them") from None
-        total = sum(v.nbytes for v in views)
-        metadata = ((PUBLISHER_TOKEN_METADATA_KEY, self.publisher_token),) \
-            if self.publisher_token else None
-        start = time.monotonic()
-        call = self._get_channel().stream_unary(
-            f"{_SERVICE}/Publish", request_serializer=None,
-            response_deserializer=variables_pb2.PublishReply.FromString)
-        try:
-            reply = call(self._chunks(version, views, total, dropped_total), timeout=timeout_s,
-                         metadata=metadata, wait_for_ready=True)
-        except grpc.RpcError as e:
-            code = e.code() if hasattr(e, "code") else None
-            hint = ""
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                hint = f" (is the variable server running at {self._address}?)"
-            elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                hint = (f" (chunk_bytes={self.chunk_bytes} may exceed the server's "
-                        "max_message_bytes: lower chunk_bytes or raise max_message_bytes)")
-            raise PublishError(f"publish of version {version} ({total} bytes) to "
-                               f"{self._address} failed: {_describe(e)}{hint}", code) from None
-        if reply.version != version or reply.num_bytes != total:
-            raise PublishError(f"publish of version {version} ({total} bytes): the server "
-                               f"acknowledged version {reply.version} with {reply.num_bytes} "
-                               "bytes")
-        logging.info("Published version %d (%d bytes) to %s in %.3f s", version, total,
-                     self._address, time.monotonic() - start)
-        return reply.version
-
-    def close(self) -> None:
-        """Closes the channel; the publisher cannot be used afterwards."""
-        self._close_channel()
-
-
-class VariableClient(_LazyChannel, core.VariableSource):
+class VariableClient(LazyChannel, core.VariableSource):
     """An actor's or evaluator's view of the newest policy on a VariableServer.
 
     Args:
@@ -399,9 +187,9 @@ class VariableClient(_LazyChannel, core.VariableSource):
         except Exception as e:  # noqa: BLE001 - RpcError, _CorruptFetch, a failing decode, ...
             if self._closed:
                 return
-            message = _describe(e) if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"
+            message = describe(e) if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"
             self.last_error = message
-            retryable = isinstance(e, grpc.RpcError) and e.code() in _RETRYABLE
+            retryable = isinstance(e, grpc.RpcError) and e.code() in RETRYABLE
             with self._state_lock:
                 self._backoff_s = min(self.max_backoff_s,
                                       max(2 * self._backoff_s, self.update_period_s))
@@ -463,7 +251,7 @@ class VariableClient(_LazyChannel, core.VariableSource):
         checksum (the server's CRC-32; its sha256 when it sends no CRC). Returns (version,
         payload, sha256 the server gave)."""
         stream = self._get_channel().unary_stream(
-            f"{_SERVICE}/FetchWeights",
+            f"{SERVICE}/FetchWeights",
             request_serializer=variables_pb2.FetchRequest.SerializeToString,
             response_deserializer=None)(
                 variables_pb2.FetchRequest(version=version, chunk_bytes=self.fetch_chunk_bytes),
@@ -539,8 +327,8 @@ class VariableClient(_LazyChannel, core.VariableSource):
                 last = str(e)
                 logging.warning("VariableClient: %s; fetching again", e)
             except grpc.RpcError as e:
-                last = _describe(e)
-                if e.code() not in _RETRYABLE:
+                last = describe(e)
+                if e.code() not in RETRYABLE:
                     raise VariableClientError(f"VariableClient: update from {self._address} "
                                               f"failed: {last}", e.code()) from None
                 time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
@@ -568,8 +356,8 @@ class VariableClient(_LazyChannel, core.VariableSource):
                 last = str(e)
                 logging.warning("VariableClient: %s; fetching again", e)
             except grpc.RpcError as e:
-                last = _describe(e)
-                if e.code() not in _RETRYABLE:
+                last = describe(e)
+                if e.code() not in RETRYABLE:
                     raise VariableClientError(f"VariableClient: update from {self._address} "
                                               f"failed: {last}", e.code()) from None
             time.sleep(min(self.update_period_s, max(deadline - time.monotonic(), 0)))
@@ -585,7 +373,7 @@ class VariableClient(_LazyChannel, core.VariableSource):
             got, payload, _ = self._fetch(True, deadline, version=version)
         except grpc.RpcError as e:
             raise VariableClientError(f"FetchWeights(version={version}) from {self._address} "
-                                      f"failed: {_describe(e)}", e.code()) from None
+                                      f"failed: {describe(e)}", e.code()) from None
         except _CorruptFetch as e:
             raise VariableClientError(f"FetchWeights(version={version}): {e}") from None
         if got != version:
@@ -594,12 +382,8 @@ class VariableClient(_LazyChannel, core.VariableSource):
 
     def latest_info(self, timeout_s: float = 10.0) -> VersionInfo:
         """The server's newest version (one LatestVersion call; waits for the server)."""
-        try:
-            info = self._get_stub().LatestVersion(variables_pb2.LatestVersionRequest(),
-                                                  timeout=timeout_s, wait_for_ready=True)
-        except grpc.RpcError as e:
-            raise VariableClientError(f"LatestVersion from {self._address} failed: "
-                                      f"{_describe(e)}", e.code()) from None
+        info = self._unary("LatestVersion", variables_pb2.LatestVersionRequest(), timeout_s,
+                           "LatestVersion")
         return VersionInfo(info.version, info.sha256, info.num_bytes, info.publish_time)
 
     # ------------------------------------------------------------------ admission
@@ -614,21 +398,24 @@ class VariableClient(_LazyChannel, core.VariableSource):
             raise ValueError(f"count={count}: must be >= 1 (rollouts to start)")
         if released < 0:
             raise ValueError(f"released={released}: must be >= 0")
-        try:
-            reply = self._get_stub().Admit(
-                variables_pb2.AdmitRequest(actor_id=str(actor_id), count=count,
-                                           released=released),
-                timeout=timeout_s, wait_for_ready=True)
-        except grpc.RpcError as e:
-            raise VariableClientError(f"Admit(actor_id={actor_id!r}, count={count}) at "
-                                      f"{self._address} failed: {_describe(e)}",
-                                      e.code()) from None
+        reply = self._unary("Admit", variables_pb2.AdmitRequest(
+            actor_id=str(actor_id), count=count, released=released), timeout_s,
+            f"Admit(actor_id={actor_id!r}, count={count})")
         return AdmitResult(reply.granted, reply.policy_version, reply.started_total,
                            reply.capacity)
 
     def admit(self, actor_id: str, count: int = 1, timeout_s: float = 30.0) -> int:
         """How many of `count` rollouts the actor may start now (0..count)."""
         return self.admit_details(actor_id, count, timeout_s).granted
+
+    def acknowledged(self, actor_id: int, timeout_s: float = 10.0) -> AckInfo:
+        """Which of `actor_id`'s rollouts the learner consumed for good, and the loss epoch, per
+        its latest progress report (one call; waits up to `timeout_s` for the server). Raises
+        VariableClientError with the gRPC code (`error.retryable` while the server restarts)."""
+        reply = self._unary("Acknowledged", variables_pb2.AckRequest(actor_id=int(actor_id)),
+                            timeout_s, f"Acknowledged(actor_id={actor_id})")
+        return AckInfo(reply.loss_epoch, reply.watermark, tuple(reply.seqs), reply.version,
+                       reply.trained_total)
 
     def close(self) -> None:
         """Closes the channel (cancelling a background fetch); the client is unusable after."""

@@ -2,12 +2,12 @@
 every published payload before any client can fetch it.
 
 - Auth token: when a `VariableServer` has an `auth_token`, every call (Publish, LatestVersion,
-  FetchWeights, Admit) must carry it in metadata `x-sao-auth-token`, else it is answered
+  FetchWeights, Admit, ReportProgress, Acknowledged) must carry it in metadata `x-sao-auth-token`, else it is answered
   UNAUTHENTICATED before its request is read. Clients send it on every call. The program takes
   it from `--auth_token` or the environment variable SAO_AUTH_TOKEN (`resolve_auth_token`); it
   is never written to config.json.
-- Publishing needs, in addition, the publisher token (`x-sao-publisher-token`), which the
-  program makes at launch and gives to the learner alone.
+- Publish and ReportProgress need, in addition, the publisher token (`x-sao-publisher-token`),
+  which the program makes at launch and gives to the learner alone.
 - Binding: services bind 127.0.0.1 unless told otherwise; binding any other address without an
   auth token is refused (`check_bind`), because then anyone on the network could call them.
 - TLS (optional): with a certificate and key the server listens with TLS only; clients then
@@ -33,6 +33,8 @@ from typing import Dict, Mapping, Optional, Tuple
 import numpy as np
 
 AUTH_TOKEN_METADATA_KEY = "x-sao-auth-token"
+# Publish and ReportProgress also need the per-launch publisher token, held by the learner only.
+PUBLISHER_TOKEN_METADATA_KEY = "x-sao-publisher-token"
 AUTH_TOKEN_ENV = "SAO_AUTH_TOKEN"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 MIN_AUTH_TOKEN_CHARS = 16
@@ -270,7 +272,7 @@ class SafetensorsValidator:
             values = np.frombuffer(view[start + begin:start + end],
                                    dtype=_FLOAT_NUMPY[entry["dtype"]])
             # A sum is NaN/inf when any value is; one in the tensor's own precision (F16: F32)
-            # runs ~3x faster than in float64 (issue 8). A sum that merely overflows is cleared
+            # runs ~3x faster than in float64. A sum that merely overflows is cleared
             # by the exact check.
             with np.errstate(over="ignore", invalid="ignore"):
                 total = values.sum(dtype=np.float32 if values.dtype == np.float16 else None)

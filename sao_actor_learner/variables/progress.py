@@ -1,0 +1,108 @@
+"""The learner's progress report: admission credit and the rollouts it consumed for good.
+
+A report is cumulative: each one carries the learner's whole state, so the variable server
+keeps only the latest, and a lost or repeated report costs nothing. Reports only move forward:
+one with a smaller version, dropped_total, trained_total or loss_epoch than the stored one is
+refused unless it is identical (a resumed learner re-sending what it sent before).
+
+For each actor, `watermark` and `seqs` name the rollouts (by the actor's sequence numbers)
+consumed for good, trained or dropped: every seq < watermark, and each one in seqs. An actor
+keeps a rollout in its spool until it is acknowledged so; when `loss_epoch` goes up (queued
+rollouts were lost), it re-inserts every spooled rollout not acknowledged.
+
+Pure: no gRPC, no threads.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterable, Mapping, Tuple
+
+MAX_ACKS = 4096          # actors named in one report
+MAX_SEQS = 65536         # seqs in one report, all actors together
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorAcks:
+    """One actor's consumed rollouts: every seq < watermark, and each of `seqs` (sorted, unique,
+    each >= watermark)."""
+    watermark: int = 0
+    seqs: Tuple[int, ...] = ()
+
+    def consumed(self, seq: int) -> bool:
+        return seq < self.watermark or seq in self.seqs
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """One progress report, checked and normalised; build it with `make_progress`."""
+    version: int = -1
+    dropped_total: int = 0
+    trained_total: int = 0
+    loss_epoch: int = 0
+    acks: Mapping[int, ActorAcks] = dataclasses.field(default_factory=dict)
+
+    def acked(self, actor_id: int) -> ActorAcks:
+        """The actor's acknowledgements (watermark 0 and no seqs for one never named)."""
+        return self.acks.get(actor_id, ActorAcks())
+
+    def refusal(self, new: "Progress") -> str:
+        """Why `new` may not replace this report ("" if it may): it must be identical, or move
+        no total (version, dropped, trained, loss epoch) backwards."""
+        if new == self:
+            return ""
+        for field in ("version", "dropped_total", "trained_total", "loss_epoch"):
+            old_value, new_value = getattr(self, field), getattr(new, field)
+            if new_value < old_value:
+                return (f"{field}={new_value} is smaller than the stored report's {old_value}, "
+                        "and the report is not identical to it; reports are cumulative: send "
+                        "the learner's full current state")
+        return ""
+
+    def to_state(self) -> dict:
+        """JSON-ready form; `from_state` reads it back."""
+        return {"version": self.version, "dropped_total": self.dropped_total,
+                "trained_total": self.trained_total, "loss_epoch": self.loss_epoch,
+                "acks": [[a, ack.watermark, list(ack.seqs)] for a, ack in self.acks.items()]}
+
+    @classmethod
+    def from_state(cls, state: Mapping) -> "Progress":
+        try:
+            return make_progress(state["version"], state["dropped_total"],
+                                 state["trained_total"], state["loss_epoch"],
+                                 {a: (w, seqs) for a, w, seqs in state["acks"]})
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a progress state ({type(e).__name__}: {e}): "
+                             f"{state!r:.200}") from None
+
+
+def make_progress(version: int, dropped_total: int, trained_total: int, loss_epoch: int,
+                  acks: Mapping[int, Tuple[int, Iterable[int]]]) -> Progress:
+    """A checked `Progress`. `acks`: actor id -> (watermark, seqs). Seqs below the watermark
+    are dropped (the watermark covers them) and the rest sorted. ValueError names what is out
+    of range: negative numbers, more than MAX_ACKS actors or MAX_SEQS seqs."""
+    version, dropped_total, trained_total, loss_epoch = (
+        int(version), int(dropped_total), int(trained_total), int(loss_epoch))
+    if version < -1:
+        raise ValueError(f"version={version}: must be >= -1 (-1: nothing trained yet)")
+    for name, value in (("dropped_total", dropped_total), ("trained_total", trained_total),
+                        ("loss_epoch", loss_epoch)):
+        if value < 0:
+            raise ValueError(f"{name}={value}: must be >= 0")
+    if len(acks) > MAX_ACKS:
+        raise ValueError(f"{len(acks)} acks: at most {MAX_ACKS} actors per report")
+    out: Dict[int, ActorAcks] = {}
+    n_seqs = 0
+    for actor_id, (watermark, seqs) in acks.items():
+        actor_id, watermark = int(actor_id), int(watermark)
+        if actor_id < 0 or watermark < 0:
+            raise ValueError(f"ack actor_id={actor_id}, watermark={watermark}: must be >= 0")
+        seqs = list(seqs)
+        n_seqs += len(seqs)
+        if n_seqs > MAX_SEQS:
+            raise ValueError(f"more than {MAX_SEQS} seqs in one report: raise the watermarks "
+                             "instead (every seq below a watermark is acknowledged)")
+        out[actor_id] = ActorAcks(watermark, tuple(sorted({int(s) for s in seqs
+                                                           if int(s) >= watermark})))
+    return Progress(version, dropped_total, trained_total, loss_epoch,
+                    dict(sorted(out.items())))
+

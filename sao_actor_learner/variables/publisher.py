@@ -1,0 +1,189 @@
+"""The learner's client of the variable server: publishes policy versions, reports progress.
+
+`publish` streams a version (opaque bytes, or a sequence of buffers such as
+`ckpt.state_dict_to_buffers` gives, streamed without first joining them) in chunks framed
+around slices of the payload (one copy, into the bytes gRPC sends) with its CRC-32.
+`report_progress` sends the learner's cumulative progress (progress.py): the admission credit
+and the rollouts it consumed for good, without re-sending any weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
+
+import grpc
+from absl import logging
+
+from sao_actor_learner.protos_gen import variables_pb2
+from sao_actor_learner.variables import wire
+from sao_actor_learner.variables.channel import (DEFAULT_MAX_MESSAGE_BYTES, SERVICE,
+                                                 LazyChannel, PublishError, describe)
+from sao_actor_learner.variables.progress import make_progress
+from sao_actor_learner.variables.security import PUBLISHER_TOKEN_METADATA_KEY
+
+Payload = Union[bytes, bytearray, memoryview]
+# One buffer, or several streamed back to back as one payload (e.g. a safetensors header and
+# then each tensor's bytes: ckpt.state_dict_to_buffers).
+PublishPayload = Union[Payload, Sequence[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgressResult:
+    """The server's answer to a progress report."""
+    credit: int           # admission credit in effect (max over reports and publishes)
+    capacity: int         # admission capacity now
+    identical: bool       # the report repeated the stored one
+
+
+class VariablePublisher(LazyChannel):
+    """The learner's side: publishes policy versions and reports progress to a VariableServer.
+
+    Args:
+      address: "host:port" of the server.
+      publisher_token: the server's publisher token ("" if the server has none).
+      chunk_bytes: bytes of payload per streamed message; must stay below the server's
+        max_message_bytes.
+      format: payload format recorded with each version, e.g. "safetensors".
+      max_message_bytes: gRPC message limit on this side.
+      auth_token, tls_root_cert, tls_server_name: see security.py ("", None: off).
+    """
+
+    _PICKLED_FIELDS = ("address", "publisher_token", "chunk_bytes", "format",
+                       "max_message_bytes", "auth_token", "tls_root_cert", "tls_server_name")
+
+    def __init__(self, address: str, publisher_token: str, chunk_bytes: int = 1 << 20,
+                 format: str = "safetensors",  # noqa: A002 - the proto field's name
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, auth_token: str = "",
+                 tls_root_cert: Optional[bytes] = None, tls_server_name: str = ""):
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes={chunk_bytes}: must be >= 1")
+        self._init_channel(address, max_message_bytes, auth_token, tls_root_cert,
+                           tls_server_name)
+        self.publisher_token = publisher_token
+        self.chunk_bytes = chunk_bytes
+        self.format = format
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self._max_message_bytes
+
+    def _chunks(self, version: int, views: List[memoryview], total: int,
+                dropped_total: int):
+        """Serialized PublishChunks of `views` (one payload): each is the small fields plus a
+        data field framed around slices of the views (one copy, into the bytes gRPC sends). The
+        CRC-32 of the payload, computed on the way, goes in the last chunk."""
+        crc = 0
+        part, part_offset = 0, 0
+        offset = 0
+        while True:
+            end = min(offset + self.chunk_bytes, total)
+            slices = []
+            need = end - offset
+            while need:
+                view = views[part]
+                take = min(need, view.nbytes - part_offset)
+                if take:
+                    piece = view[part_offset:part_offset + take]
+                    slices.append(piece)
+                    crc = wire.crc32(piece, crc)
+                    part_offset += take
+                    need -= take
+                if part_offset == view.nbytes:
+                    part, part_offset = part + 1, 0
+            head = variables_pb2.PublishChunk(version=version)
+            if offset == 0:
+                head.total_bytes = total
+                head.format = self.format
+                head.dropped_total = dropped_total
+            if end >= total:
+                head.crc32 = crc
+                head.last = True
+            yield wire.encode_chunk(head.SerializeToString(), slices)
+            if end >= total:
+                return
+            offset = end
+
+    def publish(self, version: int, payload: PublishPayload, dropped_total: int = 0,
+                timeout_s: float = 120.0) -> int:
+        """Streams `payload` as policy `version`; returns the version once the server holds it.
+
+        `payload`: bytes-like, or a list/tuple of bytes-likes sent back to back as one payload
+        (not copied first; they must not change until publish returns). Waits up to `timeout_s`
+        for the server to come up. `dropped_total`: rollouts the learner has dropped so far
+        (admission credit). Raises PublishError naming the cause.
+        """
+        if version < 0:
+            raise ValueError(f"version={version}: must be >= 0")
+        if dropped_total < 0:
+            raise ValueError(f"dropped_total={dropped_total}: must be >= 0")
+        parts = payload if isinstance(payload, (list, tuple)) else (payload,)
+        try:
+            views = [memoryview(p).cast("B") for p in parts]
+        except TypeError as e:
+            raise TypeError(f"publish payload: {e}; pass bytes, a bytearray, a memoryview or a "
+                            "list of them") from None
+        total = sum(v.nbytes for v in views)
+        metadata = self._metadata()
+        start = time.monotonic()
+        call = self._get_channel().stream_unary(
+            f"{SERVICE}/Publish", request_serializer=None,
+            response_deserializer=variables_pb2.PublishReply.FromString)
+        try:
+            reply = call(self._chunks(version, views, total, dropped_total), timeout=timeout_s,
+                         metadata=metadata, wait_for_ready=True)
+        except grpc.RpcError as e:
+            code = e.code()
+            hint = ""
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                hint = f" (is the variable server running at {self._address}?)"
+            elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                hint = (f" (chunk_bytes={self.chunk_bytes} may exceed the server's "
+                        "max_message_bytes: lower chunk_bytes or raise max_message_bytes)")
+            raise PublishError(f"publish of version {version} ({total} bytes) to "
+                               f"{self._address} failed: {describe(e)}{hint}", code) from None
+        if reply.version != version or reply.num_bytes != total:
+            raise PublishError(f"publish of version {version} ({total} bytes): the server "
+                               f"acknowledged version {reply.version} with {reply.num_bytes} "
+                               "bytes")
+        logging.info("Published version %d (%d bytes) to %s in %.3f s", version, total,
+                     self._address, time.monotonic() - start)
+        return reply.version
+
+    def _metadata(self):
+        return ((PUBLISHER_TOKEN_METADATA_KEY, self.publisher_token),) \
+            if self.publisher_token else None
+
+    def report_progress(self, version: int, dropped_total: int, trained_total: int,
+                        loss_epoch: int = 0,
+                        acks: Optional[Mapping[int, Tuple[int, Sequence[int]]]] = None,
+                        timeout_s: float = 30.0) -> ProgressResult:
+        """Sends the learner's cumulative progress; returns once the server keeps it (and has
+        persisted it, when it persists its state).
+
+        version: the learner's policy version. dropped_total: rollouts dropped as too stale so
+        far (the admission credit). trained_total: rollouts trained on so far. loss_epoch: bump
+        it when queued rollouts were lost; actors then re-insert what is not acknowledged.
+        acks: actor id -> (watermark, seqs): every rollout seq < watermark, and each of seqs,
+        was consumed for good (trained or dropped); None: none. Reports are cumulative: always
+        send the full state (acks left out are forgotten).
+
+        ValueError for out-of-range values (progress.make_progress). VariableClientError with
+        the gRPC code: FAILED_PRECONDITION when a total is smaller than in the report the
+        server holds and the report is not identical (a resumed learner behind its
+        predecessor); UNAVAILABLE / DEADLINE_EXCEEDED while the server is unreachable or
+        restarting (`error.retryable`).
+        """
+        report = make_progress(version, dropped_total, trained_total, loss_epoch, acks or {})
+        request = variables_pb2.ProgressReport(
+            version=report.version, dropped_total=report.dropped_total,
+            trained_total=report.trained_total, loss_epoch=report.loss_epoch,
+            acks=[variables_pb2.ActorAck(actor_id=a, watermark=ack.watermark, seqs=ack.seqs)
+                  for a, ack in report.acks.items()])
+        reply = self._unary("ReportProgress", request, timeout_s,
+                            f"ReportProgress(version={version})", metadata=self._metadata())
+        return ProgressResult(reply.credit, reply.capacity, reply.identical)
+
+    def close(self) -> None:
+        """Closes the channel; the publisher cannot be used afterwards."""
+        self._close_channel()
