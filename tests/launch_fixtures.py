@@ -218,3 +218,64 @@ def pid_alive(pid: int) -> bool:
         return state not in ("Z", "X")
     except (OSError, IndexError):
         return False
+
+
+class GroupMember(Worker):
+    """One node of a together-group. Each incarnation appends "run <pid>" to `path` when run()
+    starts, and "stopped <pid>" after a cooperative stop. Incarnation n (1-based):
+    n <= raise_runs: waits until every path in `peers` has n "run" lines (every peer is up),
+    then raises; n > stay_runs: returns at once (finished); otherwise runs until stop().
+    With `release_path`, stop() is ignored until that file exists."""
+
+    def __init__(self, path: str, stay_runs: int, raise_runs: int, peers: tuple,
+                 release_path: Optional[str]) -> None:
+        self.path, self.stay_runs, self.raise_runs = path, stay_runs, raise_runs
+        self.peers, self.release_path = peers, release_path
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"run {os.getpid()}\n")
+        n = len(group_runs(self.path))
+        if n <= self.raise_runs:
+            deadline = time.monotonic() + 60
+            while any(len(group_runs(p)) < n for p in self.peers):
+                if self._stop.wait(0.02) or time.monotonic() > deadline:
+                    return
+            raise RuntimeError(f"{os.path.basename(self.path)} crashing on purpose (run {n})")
+        if n > self.stay_runs:
+            return
+        while not self._stop.wait(0.02):
+            pass
+        if self.release_path:
+            while not os.path.exists(self.release_path):
+                time.sleep(0.02)
+        with open(self.path, "a") as f:
+            f.write(f"stopped {os.getpid()}\n")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def make_group_member(path: str, stay_runs: int = 1, raise_runs: int = 0, peers: tuple = (),
+                      release_path: Optional[str] = None) -> GroupMember:
+    return GroupMember(path, stay_runs, raise_runs, tuple(peers), release_path)
+
+
+def group_runs(path: str, what: str = "run") -> list:
+    """The pids of the `what` lines ("run" or "stopped") of a GroupMember's file, in order."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    words = [line.split() for line in lines]
+    return [int(w[1]) for w in words if len(w) == 2 and w[0] == what and w[1].isdigit()]
+
+
+def make_crash_once_server(marker_path: str, port: int) -> EchoServer:
+    """An EchoServer whose first incarnation fails to build (it creates `marker_path`)."""
+    if not os.path.exists(marker_path):
+        open(marker_path, "w").close()
+        raise RuntimeError("first start fails on purpose")
+    return EchoServer("again", port)

@@ -5,10 +5,12 @@ spawned node starts in ~0.1-0.3 s.
 """
 from __future__ import annotations
 
+import ast
 import collections
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fault_fixtures as ff  # noqa: E402
 import launch_fixtures as fx  # noqa: E402
 
 from sao_actor_learner import launch as lp  # noqa: E402
@@ -330,3 +333,237 @@ print(sorted(m for m in ("torch", "tensorflow", "reverb", "transformers") if m i
                          timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)) or ".")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+# ----------------------------------------------------------------- together-groups
+def _group_program(tmp_path, name, members):
+    """Group "dp" of GroupMember nodes; `members` holds each one's keyword arguments."""
+    program = lp.Program(name)
+    paths = [str(tmp_path / f"dp_{i}.runs") for i in range(len(members))]
+    with program.group("dp"):
+        for i, kwargs in enumerate(members):
+            program.add_node(lp.PyNode(fx.make_group_member, paths[i], **kwargs))
+    return program, paths
+
+
+def test_local_mp_together_group_restarts_all_nodes_after_kill_9(tmp_path):
+    """A 3-node together-group: SIGKILL one node and the other two are stopped (cooperatively)
+    and all three start again after the backoff, as one restart of the group."""
+    program, paths = _group_program(tmp_path, "dp3", [{}, {}, {}])
+    policy = lp.RestartPolicy(max_restarts=1, backoff_s=0.2, together=True)
+    launched = lp.launch(program, run_dir=str(tmp_path), notice_s=10, terminal_groups=("dp",),
+                         restart={"dp": policy})
+    with launched:
+        first = [ff.wait_for(lambda p=p: fx.group_runs(p), what=f"{p} started")[0]
+                 for p in paths]
+        os.kill(first[1], signal.SIGKILL)
+        assert launched.wait(timeout=60) is True
+    runs = [fx.group_runs(p) for p in paths]
+    assert all(len(r) == 2 and r[0] == first[i] != r[1] for i, r in enumerate(runs)), runs
+    assert fx.group_runs(paths[0], "stopped") == [first[0]]        # asked to stop, not killed
+    assert fx.group_runs(paths[2], "stopped") == [first[2]]
+    assert fx.group_runs(paths[1], "stopped") == []
+    assert not [p for p in first if fx.pid_alive(p)]
+    data = json.loads((tmp_path / "nodes.json").read_text())
+    group = data["groups"]["dp"]
+    assert group["restarts"] == 1 and group["nodes"] == ["dp_0", "dp_1", "dp_2"]
+    [entry] = group["restart_history"]
+    assert entry["cause"] == "dp_1" and entry["exitcode"] == -signal.SIGKILL
+    nodes = {n["name"]: n for n in data["nodes"]}
+    assert {n["status"] for n in nodes.values()} == {"finished"}
+    for i, name in enumerate(("dp_0", "dp_1", "dp_2")):
+        [h] = nodes[name]["restart_history"]
+        assert nodes[name]["restarts"] == 1 and h["pid"] == first[i] and h["cause"] == "dp_1"
+        assert h["reason"] == ("crashed" if name == "dp_1" else "group dp: dp_1 crashed")
+    assert nodes["dp_0"]["restart_history"][0]["exitcode"] == 0            # a cooperative stop
+    assert launched.group_restarts == {"dp": 1}
+    assert launched.restarts == {"dp_0": 1, "dp_1": 1, "dp_2": 1}
+
+
+def test_local_mt_together_group_a_raising_thread_restarts_the_others(tmp_path):
+    peers = (str(tmp_path / "dp_0.runs"), str(tmp_path / "dp_2.runs"))
+    program, paths = _group_program(tmp_path, "dpmt", [{}, {"raise_runs": 1, "peers": peers},
+                                                       {}])
+    launched = lp.launch(program, launch_type="local_mt", run_dir=str(tmp_path), notice_s=10,
+                         restart={"dp": lp.RestartPolicy(max_restarts=2, backoff_s=0.01,
+                                                         together=True)})
+    assert launched.wait(timeout=30) is True
+    assert [len(fx.group_runs(p)) for p in paths] == [2, 2, 2]
+    assert [len(fx.group_runs(p, "stopped")) for p in paths] == [1, 0, 1]
+    nodes = {n["name"]: n for n in launched.nodes_info()}
+    assert "crashing on purpose" in nodes["dp_1"]["restart_history"][0]["error"]
+    assert nodes["dp_0"]["restart_history"][0]["reason"] == "group dp: dp_1 crashed"
+    assert launched.group_restarts == {"dp": 1}
+    assert launched.statuses == {"dp": ["finished"] * 3}
+
+
+def test_together_group_out_of_restarts_fails_naming_the_node(tmp_path):
+    program, paths = _group_program(tmp_path, "dpfail", [
+        {"stay_runs": 9}, {"raise_runs": 9, "peers": (str(tmp_path / "dp_0.runs"),)}])
+    launched = lp.launch(program, launch_type="local_mt", run_dir=str(tmp_path), notice_s=10,
+                         restart={"dp": lp.RestartPolicy(max_restarts=1, backoff_s=0.01,
+                                                         together=True)})
+    with pytest.raises(lp.NodeFailedError, match="node dp_1 failed") as info:
+        launched.wait(timeout=30)
+    assert info.value.node == "dp_1" and "after 1 restarts of group 'dp'" in str(info.value)
+    assert "crashing on purpose (run 2)" in str(info.value)
+    assert launched.group_restarts == {"dp": 1}
+    assert launched.statuses == {"dp": ["finished", "failed"]}
+    assert [len(fx.group_runs(p)) for p in paths] == [2, 2]
+
+
+def test_together_group_restart_that_cannot_stop_a_node_fails_naming_group_and_node(tmp_path):
+    """Under local_mt a node that ignores stop cannot be killed: the group restart fails."""
+    release = str(tmp_path / "release")
+    program, paths = _group_program(tmp_path, "dpstuck", [
+        {"release_path": release}, {"raise_runs": 1, "peers": (str(tmp_path / "dp_0.runs"),)}])
+    launched = lp.launch(program, launch_type="local_mt", run_dir=str(tmp_path), notice_s=0.2,
+                         restart={"dp": lp.RestartPolicy(max_restarts=3, backoff_s=0.01,
+                                                         together=True)})
+    try:
+        with pytest.raises(lp.NodeFailedError) as info:
+            launched.wait(timeout=30)
+    finally:
+        open(release, "w").close()             # lets the stuck thread end
+    assert info.value.node == "dp_0"
+    assert str(info.value).startswith("group 'dp' (after dp_1 crashed) could not be restarted: "
+                                      "node dp_0 ignored the stop request")
+    assert launched.statuses == {"dp": ["failed", "stopped"]}
+
+
+def test_together_group_nodes_not_started_yet_wait_and_start_with_the_group(tmp_path):
+    """The group's service fails while the launch waits for it: the group's PyNode, not started
+    yet, is started once, with the group's restart (the launch then leaves it alone)."""
+    program = lp.Program("dpsvc")
+    with program.group("dp"):
+        store = program.add_node(lp.ServiceNode(fx.make_crash_once_server,
+                                                str(tmp_path / "crashed")))
+        program.add_node(lp.PyNode(fx.make_group_member, str(tmp_path / "rank.runs"), 0))
+    launched = lp.launch(program, launch_type="local_mt", run_dir=str(tmp_path), notice_s=10,
+                         restart={"dp": lp.RestartPolicy(max_restarts=1, backoff_s=0.01,
+                                                         together=True)})
+    assert fx.make_echo_client(store.address).ask("x") == "again:x"
+    assert launched.wait(timeout=30) is True
+    assert len(fx.group_runs(str(tmp_path / "rank.runs"))) == 1
+    nodes = {n["name"]: n for n in launched.nodes_info()}
+    assert nodes["dp_0"]["restart_history"][0]["reason"] == "crashed"
+    assert nodes["dp_1"]["restart_history"] == []
+    assert nodes["dp_1"]["restarts"] == 0 and launched.group_restarts == {"dp": 1}
+    assert launched.statuses == {"dp": ["finished", "finished"]}
+
+
+def test_restart_node_of_a_together_group_restarts_the_group_uncounted(tmp_path):
+    program, paths = _group_program(tmp_path, "dpreq", [{"stay_runs": 9}, {"stay_runs": 9}])
+    with lp.launch(program, launch_type="local_mt", run_dir=str(tmp_path), notice_s=10,
+                   restart={"dp": lp.RestartPolicy(max_restarts=0, together=True)}) as launched:
+        ff.wait_for(lambda: all(fx.group_runs(p) for p in paths), what="both started")
+        launched.restart_node("dp_1")
+        ff.wait_for(lambda: all(len(fx.group_runs(p)) == 2 for p in paths), what="restarted")
+        nodes = {n["name"]: n for n in launched.nodes_info()}
+        assert [nodes[n]["restart_history"][0]["reason"] for n in ("dp_0", "dp_1")] == [
+            "group dp: dp_1 restart requested", "requested"]
+        assert all(nodes[n]["restarts"] == 0 and nodes[n]["restarts_requested"] == 1
+                   for n in ("dp_0", "dp_1"))
+        assert launched.group_restarts == {"dp": 0}
+        assert launched.statuses == {"dp": ["running", "running"]}
+    assert [len(fx.group_runs(p, "stopped")) for p in paths] == [2, 2]
+
+
+# ------------------------------------------------------------------------ structure
+LAUNCH_DIR = os.path.join(REPO, "sao_actor_learner", "launch")
+# Underscore names that are public API of their owners: os._exit, namedtuple's methods.
+PUBLIC_UNDERSCORE = {"_exit", "_make", "_fields", "_asdict", "_replace"}
+
+
+def _launch_sources() -> dict:
+    out = {}
+    for folder, _, files in os.walk(LAUNCH_DIR):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, LAUNCH_DIR)[:-3].replace(os.sep, ".")
+                module = "sao_actor_learner.launch" + ("" if rel == "__init__" else "." + rel)
+                with open(path) as f:
+                    out[module] = f.read()
+    return out
+
+
+def launch_structure_problems() -> list:
+    """What breaks the rules of sao_actor_learner/launch (an empty list when none does)."""
+    sources, graph, problems = _launch_sources(), {}, []
+    for module, src in sources.items():
+        tree, short = ast.parse(src), module.rsplit(".", 1)[-1]
+        if len(src.splitlines()) > 400:
+            problems.append(f"{module}: {len(src.splitlines())} lines (over 400)")
+        for pattern in (r"\bissue \d", r"\b(SAO|FACTS|STYLE)\.md\b"):
+            if re.search(pattern, src, re.IGNORECASE):
+                problems.append(f"{module}: mentions {pattern!r}")
+        defined = set()          # the module's own names: defs, classes, assigned attributes
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                defined.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+        deps = graph.setdefault(module, set())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names = [a.name for a in node.names]
+                targets = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names, targets = [], [a.name for a in node.names]
+            elif (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                  and not node.attr.startswith("__") and node.attr not in PUBLIC_UNDERSCORE
+                  and node.attr not in defined
+                  and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                problems.append(f"{module}:{node.lineno}: uses .{node.attr} of another module")
+                continue
+            else:
+                continue
+            for target in targets:
+                if target.split(".")[0] == "ray" and short != "ray":
+                    problems.append(f"{module}:{node.lineno}: imports Ray (only ray.py may)")
+                if target.startswith("sao_actor_learner.launch"):
+                    deps.add(target)
+            for name in names:
+                if name.startswith("_") and name != "annotations":
+                    problems.append(f"{module}:{node.lineno}: imports private {name} from "
+                                    f"{node.module}")
+    for module, deps in graph.items():   # importing the package itself is fine in __init__ only
+        graph[module] = {d for d in deps if d in sources and d != "sao_actor_learner.launch"}
+        if "sao_actor_learner.launch" in deps and module != "sao_actor_learner.launch":
+            problems.append(f"{module}: imports the package sao_actor_learner.launch")
+    state: dict = {}
+
+    def visit(module, path):
+        state[module] = "visiting"
+        for dep in sorted(graph[module]):
+            if state.get(dep) == "visiting":
+                problems.append("import circle: " + " -> ".join(path + [module, dep]))
+            elif dep not in state:
+                visit(dep, path + [module])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    return problems
+
+
+def test_launch_modules_share_only_public_names_and_form_no_import_circle():
+    """No module of launch/ imports another's private (_x) names or uses another module's
+    private attributes; their imports (function-level ones too) form no circle; only ray.py
+    imports Ray; no file is over 400 lines; nothing cites documents outside the repository."""
+    assert launch_structure_problems() == []
+    code = (f"import sys; sys.path.insert(0, {os.path.join(REPO, 'tests')!r})\n"
+            "import launch_fixtures as fx\n"
+            "from sao_actor_learner import launch as lp\n"
+            "assert all(hasattr(lp, n) for n in lp.__all__)\n"
+            "p = lp.Program('x'); p.add_node(lp.PyNode(fx.make_sleeper, 0.01))\n"
+            "assert lp.launch(p, launch_type='local_mt').wait(timeout=30)\n"
+            "print('ray' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"       # Ray only for launch_type="ray"

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # FACTS.md: silences Ray's token warning
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # silences Ray's token warning
 ray = pytest.importorskip("ray")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -125,6 +125,31 @@ def test_ray_failures_and_bad_resources(tmp_path):
                   resources={"sleeper": {"cpus": 1}})
     with pytest.raises(ValueError, match="launch_type='ray' only"):
         lp.launch(lp.Program("x"), resources={"a": {}})
+
+
+def test_together_group_on_ray_restarts_every_actor_when_one_is_killed(tmp_path):
+    program = lp.Program("dpray")
+    paths = [str(tmp_path / f"dp_{i}.runs") for i in range(2)]
+    with program.group("dp"):
+        for path in paths:
+            program.add_node(lp.PyNode(fx.make_group_member, path))
+    restart = {"dp": lp.RestartPolicy(max_restarts=1, backoff_s=0.1, together=True)}
+    with lp.launch(program, launch_type="ray", run_dir=str(tmp_path), notice_s=10,
+                   restart=restart) as launched:
+        first = [ff.wait_for(lambda p=p: fx.group_runs(p), timeout=120, what=f"{p} started")[0]
+                 for p in paths]
+        actors = {n: v["ray_actor_id"] for n, v in ff.nodes_json(str(tmp_path)).items()}
+        os.kill(first[0], signal.SIGKILL)                       # dp_0's actor process
+        assert launched.wait(timeout=120) is True
+    runs = [fx.group_runs(p) for p in paths]
+    assert all(len(r) == 2 and r[0] == first[i] != r[1] for i, r in enumerate(runs)), runs
+    assert fx.group_runs(paths[1], "stopped") == [first[1]]     # stopped cooperatively
+    data = json.loads((tmp_path / "nodes.json").read_text())
+    assert data["groups"]["dp"]["restarts"] == 1
+    nodes = {n["name"]: n for n in data["nodes"]}
+    assert {n["status"] for n in nodes.values()} == {"finished"}
+    assert nodes["dp_1"]["restart_history"][0]["reason"] == "group dp: dp_0 crashed"
+    assert all(nodes[n]["ray_actor_id"] != actors[n] for n in actors)
 
 
 def test_sao_run_on_ray_survives_kill_9_of_an_actor(warm_start, tmp_path):

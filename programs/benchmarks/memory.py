@@ -62,7 +62,7 @@ NODE_TYPES = ("launcher", "replay", "variables", "learner", "actor", "evaluator"
 # node's own process).
 PROGRAM_MODULES = ["absl.app", "absl.flags", "sao_actor_learner.builder", "sao_actor_learner.config",
                    "sao_actor_learner.flags", "sao_actor_learner.run",
-                   "sao_actor_learner.launch.local"]
+                   "sao_actor_learner.launch"]
 NODE_MODULES = {
     # The launcher validates the config, whose tool-latency check imports
     # sao_actor_learner.tasks.tools (the tasks package imports the arithmetic task -> models ->
@@ -70,7 +70,7 @@ NODE_MODULES = {
     "launcher": ["sao_actor_learner.tasks.tools"],
     "replay": ["sao_actor_learner.replay"],
     "variables": ["sao_actor_learner.variables"],
-    "learner": ["sao_actor_learner.learner.journal", "sao_actor_learner.learner.sao",
+    "learner": ["sao_actor_learner.learner.journal", "sao_actor_learner.learner.learner",
                 "sao_actor_learner.models.checkpoint", "sao_actor_learner.models.value",
                 "sao_actor_learner.observers", "sao_actor_learner.variables",
                 "sao_actor_learner.replay", "sao_actor_learner.replay.acked_reader",

@@ -75,6 +75,10 @@ class ServiceHandle(Handle):
     def address(self) -> Optional[str]:
         return self._address
 
+    def bind_address(self, address: str) -> None:
+        """Launcher side: the "host:port" this service serves on (kept across its restarts)."""
+        self._address = address
+
     def dereference(self) -> Any:
         """A client built from the node's address (the address string without a client_factory)."""
         if self._address is None:
@@ -118,15 +122,31 @@ class PyNodeHandle(Handle):
                                f"{self._error}")
         return self._worker
 
-    # Launcher-side hooks (threaded launcher).
-    def _set_worker(self, worker: Any) -> None:
+    # Launcher side.
+    @property
+    def launch_type(self) -> Optional[str]:
+        """The launch type its program runs under (None before launch)."""
+        return self._launch_type
+
+    def bind_launch_type(self, launch_type: str) -> None:
+        """Launcher side: the program was launched with `launch_type`."""
+        self._launch_type = launch_type
+
+    def set_worker(self, worker: Any) -> None:
+        """Launcher side (local_mt): the node built `worker`; dereference() returns it."""
         self._worker = worker
         self._ready.set()
 
-    def _set_error(self, error: str) -> None:
+    def set_error(self, error: str) -> None:
+        """Launcher side (local_mt): the node ended without building a worker, for `error`."""
         if not self._ready.is_set():
             self._error = error
             self._ready.set()
+
+    def reset(self) -> None:
+        """Launcher side (local_mt): the node restarts; dereference() waits for its new worker."""
+        self._ready.clear()
+        self._worker, self._error = None, None
 
     def __getstate__(self) -> dict:
         # A copy in another process cannot reach this process's worker.
@@ -248,6 +268,15 @@ class Program:
         handle = node._bind(label, len(nodes))
         nodes.append(node)
         return handle
+
+    @property
+    def launched(self) -> bool:
+        """Whether the program was launched (a program is launched at most once)."""
+        return self._launched
+
+    def mark_launched(self) -> None:
+        """Launcher side: no node can be added, and the program cannot be launched again."""
+        self._launched = True
 
     @property
     def groups(self) -> Dict[str, List[Node]]:

@@ -1,39 +1,34 @@
-"""The Ray launcher: every node of a `Program` a Ray actor, on one machine or a cluster.
+"""launch_type="ray": every node of a `Program` a Ray actor, on one machine or a cluster.
 
     launched = launch(program, launch_type="ray", run_dir="runs/x",
                       ray_address=None,                  # None: a local Ray instance
                       resources={"learner": {"num_cpus": 1, "num_gpus": 1}},
                       restart={"actor": RestartPolicy(max_restarts=3)})
-    launched.wait()
 
-The same program, handles and `Launched` API as the local launchers (wait, stop, restart_node,
-nodes.json, restarts); only where the nodes run differs:
+The same program, handles and `Launched` API as the local launchers; only where the nodes run
+differs. Guarantees:
 
 - Cluster: `ray_address=None` joins the Ray instance this process already started with
   `ray.init()`, else starts a local one (and shuts it down on stop); "auto" or
   "ray://head:10001" joins an existing cluster, which must have this package (and whatever
-  module the node functions live in) importable on every machine. The driver's own import paths
-  are prepended to each actor's PYTHONPATH, which covers one machine and shared filesystems.
+  module the node functions live in) importable on every machine. The driver's own import
+  paths are prepended to each actor's PYTHONPATH (one machine, or shared filesystems).
 - Resources: each node is an actor reserving its group's `resources` ({"num_cpus": .,
   "num_gpus": ., "memory": bytes, "resources": {custom: amount}}); groups not listed reserve
-  nothing (Ray's default of 1 CPU per actor would otherwise cap a 2-CPU machine at 2 nodes).
-  A request the cluster can never satisfy fails before anything starts.
-- Addresses: a service actor picks a free port on its own machine. With services bound to a
-  loopback address (the default, `bind_host="127.0.0.1"`) its handle resolves to
-  127.0.0.1:PORT, reachable only on that machine, so a cluster of several machines is refused
-  (bind a wildcard or an interface, and set an auth token: see variables/security.py); with a
-  wildcard bind it resolves to the machine's IP, so nodes anywhere in the cluster reach it.
-  Reverb (the replay node) always listens on all interfaces.
-- Restarts: a crashed node (an exception, or its worker process killed) is a new actor; a
-  restarted service is pinned to the machine it ran on and reuses its port, so its address
-  and the handles other nodes hold stay valid. nodes.json records each node's Ray actor id,
-  Ray node id, host, worker pid and assigned resources, rewritten on every restart.
-- Logs: each actor's stdout and stderr go to run_dir/logs/<node>.log when run_dir is writable
-  from its machine (one machine or a shared filesystem), else they stay in Ray's own logs.
-- Stop: cooperative as in local_mp (the worker's stop(), `notice_s`, then `ray.kill`); every
-  actor this launcher made is killed by the end of stop(), and Ray kills a driver's actors when
-  the driver dies. An actor's "exit code" is 0 (run() returned), 1 (it raised) or -9 (its
-  process died or was killed: Ray does not report the signal).
+  nothing. A request the cluster can never satisfy fails before anything starts.
+- Addresses: a service actor picks a free port on its own machine. Bound to a loopback host
+  (the default) its handle resolves to 127.0.0.1:PORT, so a cluster of several machines is
+  refused; with a wildcard bind it resolves to the machine's IP. Reverb (the replay node)
+  always listens on all interfaces.
+- Restarts: a restarted node is a new actor; a restarted service is pinned to the machine it
+  ran on and reuses its port. nodes.json records each node's Ray actor id, Ray node id, host,
+  worker pid and assigned resources.
+- Logs: each actor's output goes to run_dir/logs/<node>.log when run_dir is writable from its
+  machine, else it stays in Ray's own logs.
+- Stop: cooperative (the worker's stop(), `notice_s`, then `ray.kill`); every actor this
+  launcher made is killed by the end of stop(), and Ray kills a driver's actors when the
+  driver dies. Exit codes: 0 (run() returned), 1 (it raised), -9 (its process died or was
+  killed: Ray does not report the signal).
 """
 from __future__ import annotations
 
@@ -41,12 +36,11 @@ import os
 import pickle
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
 import traceback
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional
 
 try:
     import ray
@@ -54,13 +48,17 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("launch_type='ray' needs Ray: `pip install '.[ray]'` (`make venv` installs "
                       "it), or pick launch_type='local_mp'") from e
 
-from sao_actor_learner.launch.local import (_LIVE, _LIVE_LOCK, LOG_TAIL_LINES, Launched,
-                                            _bracket, _build_and_run, _flush, _redirect_output,
-                                            _Record, _tail, _WorkerControl, is_loopback,
-                                            local_service_host)
-from sao_actor_learner.launch.program import PyNodeHandle, ServiceNode, find_handles
+from sao_actor_learner.launch.addresses import (advertised_host, free_ports, is_loopback,
+                                                join_address, local_service_host, port_of,
+                                                port_open)
+from sao_actor_learner.launch.logs import (LOG_TAIL_LINES, flush_std_streams, redirect_output,
+                                           start_log, tail)
+from sao_actor_learner.launch.node_runtime import WorkerControl, build_and_run
+from sao_actor_learner.launch.program import Node
+from sao_actor_learner.launch.records import NodeRecord
+from sao_actor_learner.launch.runner import Runner, pickle_nodes
 
-__all__ = ["RayLaunched", "RESOURCE_KEYS"]
+__all__ = ["RayRunner", "RESOURCE_KEYS", "check_resources"]
 
 RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory", "resources")
 _ACTOR_CONCURRENCY = 4      # run() blocks one thread; stop(), info() and port checks use others
@@ -76,12 +74,12 @@ class _NodeActor:
         if log_path:
             try:
                 os.makedirs(os.path.dirname(log_path), exist_ok=True)
-                _redirect_output(log_path)
+                redirect_output(log_path)
                 self._log_path = log_path
             except OSError:   # run_dir not reachable from this machine: Ray keeps the logs
                 pass
         print(f"[launch] {name}: pid {os.getpid()} (Ray actor)", flush=True)
-        self._control = _WorkerControl(name)
+        self._control = WorkerControl(name)
 
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
@@ -92,29 +90,22 @@ class _NodeActor:
 
     def free_port(self, host: str) -> int:
         """A free TCP port on `host` of this machine."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.bind((host.strip("[]"), 0))
-            return s.getsockname()[1]
+        return free_ports(1, host)[0]
 
     def port_open(self, host: str, port: int) -> bool:
         """Whether `host:port` accepts TCP connections, seen from this machine."""
-        try:
-            with socket.create_connection((host.strip("[]"), port), timeout=1.0):
-                return True
-        except OSError:
-            return False
+        return port_open(host, port)
 
     def run(self, payload: bytes, port: Optional[int]) -> None:
         try:
             fn, args, kwargs = pickle.loads(payload)
-            _build_and_run(self._name, fn, args, kwargs, port, self._control)
+            build_and_run(self._name, fn, args, kwargs, port, self._control)
             print(f"[launch] {self._name}: run() returned", flush=True)
         except BaseException:
             traceback.print_exc()
             raise
         finally:
-            _flush()
+            flush_std_streams()
 
     def stop(self) -> None:
         print(f"[launch] {self._name}: stop requested", flush=True)
@@ -124,89 +115,72 @@ class _NodeActor:
 _RemoteNodeActor = ray.remote(_NodeActor)
 
 
-class RayLaunched(Launched):
+class _Instance:
+    def __init__(self, actor: Any, generation: int) -> None:
+        self.actor, self.generation = actor, generation
+        self.ref: Any = None      # run()'s object ref once started
+
+
+class RayRunner(Runner):
     """launch_type="ray": every node a Ray actor (see the module docstring)."""
 
     launch_type = "ray"
+    terminate_grace_s = 10.0
 
-    def __init__(self, *args: Any, ray_address: Optional[str] = None,
-                 resources: Optional[Mapping[str, Mapping[str, Any]]] = None,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, ray_address: Optional[str] = None,
+                 resources: Optional[Mapping[str, Mapping[str, Any]]] = None) -> None:
         self._ray_address = ray_address
-        self._resources = _check_resources(resources or {}, self.program.groups)
+        self._all_resources = check_resources(resources or {})
+        self._resources: Dict[str, Dict[str, Any]] = {}
         self._launch_id = secrets.token_hex(3)
         self._owns_ray = False
-        self._actors: Dict[str, Any] = {}                 # node name -> actor handle
-        self._refs: Dict[str, Tuple[Any, int]] = {}       # node name -> (run() ref, generation)
-        self._ports: Dict[str, int] = {}
-        self._node_ids: Dict[str, str] = {}
+        self._records: List[NodeRecord] = []
+        self._node_ids: Dict[str, str] = {}        # node name -> the Ray node it first ran on
         self._payloads: Dict[str, bytes] = {}
         self._monitor: Optional[threading.Thread] = None
         self._monitor_stop = threading.Event()
 
-    def _log_path(self, node) -> Optional[str]:
-        return os.path.join(self.run_dir, "logs", f"{node.name}.log")
+    def attach(self, launched: Any) -> None:
+        super().attach(launched)
+        groups = launched.program.groups
+        self._resources = {k: v for k, v in self._all_resources.items() if k in groups}
+
+    def log_path(self, node: Node) -> Optional[str]:
+        return os.path.join(self.launched.run_dir, "logs", f"{node.name}.log")
 
     # ----------------------------------------------------------------------------- starting
-    def _start(self) -> None:
-        with _LIVE_LOCK:
-            _LIVE.add(self)
-        self._connect()
-        self._check_cluster()
-        os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
-        services = [r for r in self._records if r.kind == "service"]
-        for r in services:                       # place services first: their addresses
-            self._create_actor(r)
-            self._assign_address(r)
-        for r in self._records:
-            if r.kind == "py":
-                r.node.handle._launch_type = self.launch_type
-        self._pickle_payloads()                  # every address is known now
-        self._monitor = threading.Thread(target=self._monitor_main, daemon=True,
-                                         name=f"{self.program.name}/ray-monitor")
-        self._monitor.start()
-        for r in services:
-            self._run(r)
-        with self._cond:
-            self._write_nodes_json()
-        for r in services:
-            self._wait_for_service(r)
-        for r in self._records:
-            if r.kind == "py":
-                self._create_actor(r)
-                self._run(r)
-        with self._cond:
-            self._write_nodes_json()
-
-    def _connect(self) -> None:
+    def setup(self, records: List[NodeRecord]) -> None:
+        self._records = list(records)
         if ray.is_initialized():
             if self._ray_address is not None:
                 raise ValueError(f"ray_address={self._ray_address!r}, but this process is "
                                  "already connected to Ray (ray.init() was called): pass "
                                  "ray_address=None to use that connection")
-            return
-        kwargs = dict(include_dashboard=False, log_to_driver=False)
-        if self._ray_address:
-            ray.init(address=self._ray_address, **kwargs)
         else:
-            ray.init(**kwargs)
-        self._owns_ray = True
+            kwargs = dict(include_dashboard=False, log_to_driver=False)
+            if self._ray_address:
+                ray.init(address=self._ray_address, **kwargs)
+            else:
+                ray.init(**kwargs)
+            self._owns_ray = True
+        self._check_cluster(records)
+        os.makedirs(os.path.join(self.launched.run_dir, "logs"), exist_ok=True)
 
-    def _check_cluster(self) -> None:
+    def _check_cluster(self, records: List[NodeRecord]) -> None:
         """Refuses programs the cluster cannot place or whose addresses would not resolve."""
+        bind_host = self.launched.bind_host
         alive = [n for n in ray.nodes() if n.get("Alive")]
-        if len(alive) > 1 and is_loopback(self.bind_host) and \
-                any(r.kind == "service" for r in self._records):
+        if len(alive) > 1 and is_loopback(bind_host) and any(r.kind == "service"
+                                                             for r in records):
             raise ValueError(
-                f"bind_host={self.bind_host!r} with a Ray cluster of {len(alive)} machines: "
+                f"bind_host={bind_host!r} with a Ray cluster of {len(alive)} machines: "
                 "services bound to a loopback address are unreachable from the other "
                 "machines; bind a wildcard (bind_host='0.0.0.0') or an interface, with an auth "
                 "token (--auth_token or SAO_AUTH_TOKEN)")
         total = ray.cluster_resources()
         wanted: Dict[str, float] = {}
-        for r in self._records:
-            res = self._resources.get(r.node.label, {})
+        for r in records:
+            res = self._resources.get(r.label, {})
             for key, ray_key in (("num_cpus", "CPU"), ("num_gpus", "GPU"), ("memory", "memory")):
                 wanted[ray_key] = wanted.get(ray_key, 0.0) + float(res.get(key, 0) or 0)
             for key, amount in (res.get("resources") or {}).items():
@@ -220,17 +194,33 @@ class RayLaunched(Launched):
                              f"lower the per-group resources {dict(self._resources)} or add "
                              "machines")
 
-    def _actor_options(self, r: _Record) -> dict:
-        res = self._resources.get(r.node.label, {})
-        env = dict(self._env)
+    def service_addresses(self, services: List[NodeRecord]) -> List[str]:
+        """Places each service's actor first: its address depends on its machine."""
+        bind_host, addresses = self.launched.bind_host, []
+        for r in services:
+            self._create_actor(r)
+            host = advertised_host(bind_host, r.extra["host"])
+            probe = local_service_host(bind_host) if host == "127.0.0.1" else host
+            addresses.append(join_address(host, ray.get(r.instance.actor.free_port.remote(probe))))
+        return addresses
+
+    def prepare(self, records: List[NodeRecord]) -> None:
+        self._payloads = pickle_nodes(records, "launch_type='ray'")   # every address is known
+        self._monitor = threading.Thread(target=self._monitor_main, daemon=True,
+                                         name=f"{self.launched.program.name}/ray-monitor")
+        self._monitor.start()
+
+    def _actor_options(self, r: NodeRecord) -> dict:
+        res = self._resources.get(r.label, {})
+        env = dict(self.launched.env)
         paths = [p for p in sys.path if p and os.path.isdir(p)
                  and not p.startswith((sys.prefix, sys.base_prefix))]
         env["PYTHONPATH"] = os.pathsep.join(paths + ["${PYTHONPATH}"])
-        options = dict(name=f"{self.program.name}-{self._launch_id}/{r.name}#{r.generation}",
-                       max_concurrency=_ACTOR_CONCURRENCY, max_restarts=0,
-                       num_cpus=float(res.get("num_cpus", 0) or 0),
-                       num_gpus=float(res.get("num_gpus", 0) or 0),
-                       runtime_env={"env_vars": env})
+        options = dict(
+            name=f"{self.launched.program.name}-{self._launch_id}/{r.name}#{r.generation}",
+            max_concurrency=_ACTOR_CONCURRENCY, max_restarts=0,
+            num_cpus=float(res.get("num_cpus", 0) or 0),
+            num_gpus=float(res.get("num_gpus", 0) or 0), runtime_env={"env_vars": env})
         if res.get("memory"):
             options["memory"] = float(res["memory"])
         if res.get("resources"):
@@ -242,126 +232,67 @@ class RayLaunched(Launched):
                 node_id=self._node_ids[r.name], soft=False)
         return options
 
-    def _create_actor(self, r: _Record) -> None:
+    def _create_actor(self, r: NodeRecord) -> None:
         if r.log_path:   # as local_mp: a fresh log per launch, restarts append to it
             try:
-                with open(r.log_path, "a" if r.generation else "w") as f:
-                    what = f"restarting (restart {len(r.history)})" if r.generation \
-                        else "starting"
-                    f.write(f"[launch] {self.program.name}/{r.name}: {what} as a Ray actor "
-                            f"({time.ctime()})\n")
+                start_log(r.log_path, self.launched.program.name, r.name, r.generation,
+                          len(r.history), where=" as a Ray actor")
             except OSError:
                 pass
         actor = _RemoteNodeActor.options(**self._actor_options(r)).remote(
-            r.name, r.log_path, self._env)
+            r.name, r.log_path, self.launched.env)
+        timeout = self.launched.service_timeout_s
         try:
-            info = ray.get(actor.info.remote(), timeout=self.service_timeout_s)
+            info = ray.get(actor.info.remote(), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            ray.kill(actor, no_restart=True)
+            _kill_quietly(actor)
             raise RuntimeError(
-                f"node {r.name}: Ray placed no actor within {self.service_timeout_s:g} s "
-                f"(resources {self._resources.get(r.node.label, {})}); the cluster may lack "
-                "them or be busy, or its machine is gone") from None
-        with self._cond:
-            self._actors[r.name] = actor
-            self._node_ids.setdefault(r.name, info["ray_node_id"])
-            r.pid = info["pid"]
-            r.extra = {"host": info["host"], "ray_actor_id": info["ray_actor_id"],
-                       "ray_node_id": info["ray_node_id"], "resources": info["resources"]}
-            if info["log"] is None:
-                r.log_path = None
+                f"node {r.name}: Ray placed no actor within {timeout:g} s (resources "
+                f"{self._resources.get(r.label, {})}); the cluster may lack them or be busy, "
+                "or its machine is gone") from None
+        r.instance = _Instance(actor, r.generation)
+        self._node_ids.setdefault(r.name, info["ray_node_id"])
+        r.pid = info["pid"]
+        r.extra = {"host": info["host"], "ray_actor_id": info["ray_actor_id"],
+                   "ray_node_id": info["ray_node_id"], "resources": info["resources"]}
+        if info["log"] is None:
+            r.log_path = None
 
-    def _assign_address(self, r: _Record) -> None:
-        actor = self._actors[r.name]
-        if is_loopback(self.bind_host):
-            host = "127.0.0.1"
-        elif self.bind_host in ("0.0.0.0", "::", "[::]", ""):
-            host = r.extra["host"]
-        else:
-            host = self.bind_host
-        port = ray.get(actor.free_port.remote(local_service_host(self.bind_host)
-                                              if host == "127.0.0.1" else host))
-        self._ports[r.name] = port
-        r.node.handle._address = f"{_bracket(host)}:{port}"
+    def start(self, r: NodeRecord) -> None:
+        """(Re)starts node r: its actor (made already for a first-time service), then run()."""
+        if r.instance is None or r.instance.generation != r.generation:
+            self._create_actor(r)
+        port = port_of(r.node.handle.address) if r.kind == "service" else None
+        r.instance.ref = r.instance.actor.run.remote(self._payloads[r.name], port)
 
-    def _pickle_payloads(self) -> None:
-        for r in self._records:
-            node = r.node
-            for h in find_handles((node.args, node.kwargs)):
-                if isinstance(h, PyNodeHandle):
-                    raise ValueError(
-                        f"node {node.name} gets the handle of PyNode {h.name} in its arguments: "
-                        "under launch_type='ray' a PyNode's worker lives in its own actor and "
-                        "cannot be dereferenced elsewhere; pass a ServiceNode's handle instead")
-            try:
-                self._payloads[r.name] = pickle.dumps((node.fn, node.args, node.kwargs),
-                                                      protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as e:
-                raise TypeError(
-                    f"node {node.name}: its function and arguments can't be pickled for Ray "
-                    f"({type(e).__name__}: {e}); use module-level functions and picklable "
-                    "arguments") from e
-
-    def _run(self, r: _Record) -> None:
-        port = self._ports.get(r.name) if isinstance(r.node, ServiceNode) else None
-        ref = self._actors[r.name].run.remote(self._payloads[r.name], port)
-        with self._cond:
-            self._refs[r.name] = (ref, r.generation)
-            r.status = "running"
-
-    def _start_node(self, r: _Record) -> None:
-        """(Re)starts node r: a new actor (a service on its old machine and port), then run()."""
-        self._create_actor(r)
-        self._run(r)
-
-    def _wait_for_service(self, r: _Record) -> None:
-        actor = self._actors[r.name]
-        host = r.node.handle.address.rsplit(":", 1)[0]
-        if host == "127.0.0.1" or self.bind_host in ("0.0.0.0", "::", "[::]", ""):
-            host = "127.0.0.1"
-        deadline = time.monotonic() + self.service_timeout_s
-        while True:
-            if r.done:
-                raise self._failure_error(
-                    r, f"service node {r.name} exited (code {r.exitcode}) before accepting "
-                       f"connections on {r.node.handle.address}")
-            try:
-                if ray.get(actor.port_open.remote(host, self._ports[r.name]), timeout=10):
-                    return
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise self._failure_error(
-                    r, f"service node {r.name} did not accept TCP connections on "
-                       f"{r.node.handle.address} within {self.service_timeout_s:g} s")
-            time.sleep(0.05)
+    def port_open(self, r: NodeRecord, host: str, port: int) -> bool:
+        if r.instance is None:
+            return False
+        try:
+            return bool(ray.get(r.instance.actor.port_open.remote(host, port), timeout=10))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
 
     # ---------------------------------------------------------------------------- watching
     def _monitor_main(self) -> None:
         """Notices actors whose run() returned, raised or died."""
         while not self._monitor_stop.is_set():
-            self._collect_ready(timeout=0.2)
+            live = {}
+            for r in self._records:
+                inst = r.instance
+                if r.status == "running" and inst is not None and inst.ref is not None:
+                    live[inst.ref] = (r, inst)
+            if not live:
+                time.sleep(0.1)
+                continue
+            ready, _ = ray.wait(list(live), num_returns=len(live), timeout=0.2)
+            for ref in ready:
+                self._collect(*live[ref])
 
-    def _live_refs(self, records: Optional[List[_Record]] = None) -> Dict[Any, Tuple[_Record, int]]:
-        with self._cond:
-            chosen = self._records if records is None else records
-            return {self._refs[r.name][0]: (r, self._refs[r.name][1]) for r in chosen
-                    if r.status == "running" and r.name in self._refs}
-
-    def _collect_ready(self, timeout: float, records: Optional[List[_Record]] = None) -> None:
-        live = self._live_refs(records)
-        if not live:
-            time.sleep(min(timeout, 0.1))
-            return
-        ready, _ = ray.wait(list(live), num_returns=len(live), timeout=timeout)
-        for ref in ready:
-            r, generation = live[ref]
-            self._collect(r, generation, ref)
-
-    def _collect(self, r: _Record, generation: int, ref: Any) -> None:
+    def _collect(self, r: NodeRecord, inst: _Instance) -> None:
         error = None
         try:
-            ray.get(ref)
+            ray.get(inst.ref)
             code = 0
         except ray.exceptions.RayActorError as e:    # its process died or was killed
             code, error = -signal.SIGKILL, str(e)
@@ -369,85 +300,48 @@ class RayLaunched(Launched):
             code, error = 1, str(e)
         except Exception as e:  # noqa: BLE001
             code, error = 1, f"{type(e).__name__}: {e}"
-        actor = self._actors.get(r.name)
-        if actor is not None and code == 0:
-            _kill_quietly(actor)        # its run() returned: free its process and resources
-        self._record_exit(r, code, error, generation)
-
-    def _poll(self, r: _Record) -> None:
-        """The monitor thread records exits; nothing to do here."""
+        if code == 0:
+            _kill_quietly(inst.actor)   # its run() returned: free its process and resources
+        self.launched.node_exited(r, code, error, inst.generation)
 
     # ----------------------------------------------------------------------------- stopping
-    def _request_node_stop(self, r: _Record) -> None:
-        actor = self._actors.get(r.name)
-        if actor is not None:
-            actor.stop.remote()
+    def request_stop(self, r: NodeRecord) -> None:
+        if r.instance is not None:
+            r.instance.actor.stop.remote()
 
-    def _kill_node(self, r: _Record) -> None:
-        actor = self._actors.get(r.name)
-        if actor is not None:
-            r.killed = True
-            _kill_quietly(actor)
+    def terminate(self, r: NodeRecord) -> bool:
+        if r.instance is not None:
+            _kill_quietly(r.instance.actor)
+        return True
 
-    def _release_instance(self, r: _Record) -> None:
-        actor = self._actors.pop(r.name, None)
-        self._refs.pop(r.name, None)
-        if actor is not None:
-            _kill_quietly(actor)
+    def release(self, r: NodeRecord) -> None:
+        inst, r.instance = r.instance, None
+        if inst is not None:
+            _kill_quietly(inst.actor)
 
-    def _stop_records(self, kind: str, records: List[_Record]) -> None:
-        for r in records:
-            if r.status == "running":
-                self._request_node_stop(r)
-        self._wait_exit(records, self.notice_s)
-        left = [r for r in records if r.status == "running"]
-        for r in left:
-            print(f"[launch] node {r.name} (Ray actor) did not stop within notice_s="
-                  f"{self.notice_s:g} s; killing it", file=sys.stderr, flush=True)
-            self._kill_node(r)
-        self._wait_exit(left, 10.0)
-        with self._cond:
-            for r in records:
-                if r.status == "pending":
-                    r.status = "not_started"
-
-    def _wait_exit(self, records: List[_Record], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while any(r.status == "running" for r in records):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            self._collect_ready(min(remaining, 0.2), records)
-
-    def _kill_all(self) -> None:
-        for r in self._records:
-            if r.status == "running":
-                self._kill_node(r)
-        self._wait_exit(self._records, 5.0)
-
-    def _finish_stop(self) -> None:
+    def finish(self, records: List[NodeRecord]) -> None:
         self._monitor_stop.set()
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=5.0)
-        for actor in list(self._actors.values()):
-            _kill_quietly(actor)
-        self._actors.clear()
+        for r in records:
+            if r.instance is not None:
+                _kill_quietly(r.instance.actor)
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
 
-    def _details(self, r: _Record) -> str:
+    def details(self, r: NodeRecord) -> str:
         where = r.extra.get("host", "?")
         details = f"Ray actor {r.extra.get('ray_actor_id')} (pid {r.pid} on {where})"
         if r.log_path:
             details += f"; last {LOG_TAIL_LINES} lines of {r.log_path}:\n" + \
-                _tail(r.log_path, LOG_TAIL_LINES)
+                tail(r.log_path, LOG_TAIL_LINES)
         if r.error:
             details += "\n" + r.error[-4000:]
         return details
 
 
-def _check_resources(resources: Mapping[str, Mapping[str, Any]],
-                     groups: Mapping[str, Any]) -> Dict[str, Dict[str, Any]]:
+def check_resources(resources: Mapping[str, Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """label -> a copy of its Ray resources; raises for unknown keys and negative amounts."""
     out: Dict[str, Dict[str, Any]] = {}
     for label, res in resources.items():
         if not isinstance(res, Mapping):
@@ -465,8 +359,7 @@ def _check_resources(resources: Mapping[str, Mapping[str, Any]],
             if not isinstance(amount, (int, float)) or amount < 0:
                 raise ValueError(f"resources[{label!r}]['resources'][{key!r}]={amount!r}: must "
                                  "be a number >= 0")
-        if label in groups:
-            out[label] = dict(res)
+        out[label] = dict(res)
     return out
 
 
