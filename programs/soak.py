@@ -1,26 +1,25 @@
 """Soak test: a long SAO run while nodes are killed at random, then where every rollout went.
 
   python programs/soak.py --run_dir=runs/soak --max_steps=300 --num_actors=4 \
-      --kill_every_s=10 --kill_targets=actor,actor,learner,evaluator
+      --kill_every_s=10 --kill_targets=replay,actor,learner,evaluator,variables
 
 Runs the normal SAO program (every SAOConfig field is a flag; the defaults below differ from
 programs/sao.py: restarts for every group that can restart, learner checkpoints every 10 steps,
 frequent replay checkpoints) and, while it runs, every `kill_every_s` seconds on average
 (uniformly 0.5x-1.5x) picks a running node of a random target group and
 
-  actor, learner, evaluator, variables: sends it SIGKILL (local_mp) or kills its Ray actor
-    process: the launcher restarts it after its backoff; the learner resumes from its
-    checkpoint and journal;
-  replay: restarts it on request (`Launched.restart_node`): Reverb checkpoints on the way out
-    and restores. Not in the default targets: while actors and the learner keep running, the
-    checkpoint is taken while they still insert and sample, so inserts confirmed during its
-    write are lost and samples taken then come back (trained twice); the report counts both.
-    With --replay_kill=sigkill it is a SIGKILL instead: back to the last periodic checkpoint.
+  any of actor, learner, evaluator, variables, replay: sends it SIGKILL (local_mp) or kills
+    its Ray actor process: the launcher restarts it after its backoff. The learner resumes from
+    its checkpoint and journal; replay comes back with its last periodic checkpoint (older
+    items, some already trained: skipped by key) or empty; actors re-send what the learner
+    never acknowledged once it reports the loss epoch. With --replay_kill=restart replay is
+    restarted on request instead (a cooperative stop that checkpoints).
 
 At the end it prints and writes `<run_dir>/soak_report.json`: steps done, restarts by node,
-faults injected, and the rollout accounting of sao_actor_learner/accounting.py: completed,
-inserted, trained, dropped (by reason), still queued, duplicates, lost and trained twice. Exits
-with status 1 when any rollout was lost or trained twice, or the run did not finish.
+faults injected, and the rollout accounting of sao_actor_learner/accounting.py, by key:
+completed, trained, dropped (by reason), held in spools, duplicates skipped, lost, forgotten
+early and consumed twice. Exits with status 1 when any rollout was lost, forgotten early or
+consumed twice, or the run did not finish.
 """
 import json
 import os
@@ -48,10 +47,10 @@ define_flags_from_dataclass(SAOConfig)
 for _name, _value in SOAK_DEFAULTS.items():
     flags.FLAGS.set_default(_name, list(_value) if isinstance(_value, tuple) else _value)
 flags.DEFINE_float("kill_every_s", 10.0, "Mean seconds between injected faults.")
-flags.DEFINE_list("kill_targets", ["actor", "actor", "learner", "evaluator"],
+flags.DEFINE_list("kill_targets", ["replay", "actor", "learner", "evaluator", "variables"],
                   "Groups to hit, drawn uniformly (repeat one to weight it).")
-flags.DEFINE_enum("replay_kill", "restart", ["restart", "sigkill"],
-                  "How replay is hit: a cooperative restart (checkpoint on stop) or SIGKILL.")
+flags.DEFINE_enum("replay_kill", "sigkill", ["restart", "sigkill"],
+                  "How replay is hit: SIGKILL, or a cooperative restart (checkpoint on stop).")
 flags.DEFINE_integer("soak_seed", 0, "Seed of the fault schedule.")
 flags.DEFINE_integer("max_faults", 0, "Stop injecting after this many faults (0: until the end).")
 flags.DEFINE_bool("progress", True, "Show a progress line.")
@@ -155,37 +154,38 @@ def main(argv):
                           "final": summary.get("final_eval_accuracy")},
         "rollouts": {
             "completed": accounting["completed"],
-            "inserted": accounting["inserted"],
-            "replay_inserts": accounting.get("replay_inserts"),
-            "duplicates": accounting.get("duplicates"),
+            "sent_once": accounting["sent_once"],
+            "resent": accounting["resent"],
             "trained": accounting["trained"],
             "value_pretraining": accounting["value_pretraining"],
             "dropped": {"stale (learner: staler than max_staleness)":
                         accounting["dropped_stale"],
-                        **{f"rejected by the writer: {k}": v
-                           for k, v in accounting["rejected"].items()}},
-            "queued_in_replay_at_end": accounting["queued_in_replay"],
-            "pending_in_actor_spools_at_end": accounting["pending_in_spools"],
-            "learner_reader_buffered_at_end": accounting["learner_buffered"],
+                        "from the future (learner: a version newer than its own)":
+                        accounting["refused_from_future"],
+                        **{f"refused by the actor's check: {k}": v
+                           for k, v in accounting["refused"].items()}},
+            "consumed_keys": accounting["consumed"],
+            "held_in_actor_spools_at_end": accounting["held"],
             "in_learner_journal_at_end": accounting["in_learner_journal"],
-            "lost": accounting.get("lost"),
-            "lost_in_replay": accounting.get("lost_in_replay"),
-            "lost_in_transit_to_learner": accounting.get("lost_in_transit"),
-            "trained_twice": accounting.get("trained_twice"),
+            "duplicates_skipped": accounting["duplicates"],
+            "lost": accounting["lost"],
+            "forgot_early": accounting["forgot_early"],
+            "consumed_twice": accounting["consumed_twice"],
         },
         "faults": faults,
     }
     write_json_atomic(os.path.join(config.run_dir, "soak_report.json"), report)
     shown = {k: v for k, v in report.items() if k != "faults"}
     print(json.dumps(shown, indent=2))
-    lost = accounting.get("lost")
     print(f"soak: {report['steps']}/{config.max_steps} steps in {wall:.0f}s, "
           f"{report['faults_injected']} faults, {report['restarts_total']} restarts, "
-          f"{accounting['inserted']} inserted, {accounting['trained']} trained, "
-          f"{accounting['dropped_stale']} dropped stale, {lost} lost, "
-          f"{accounting.get('trained_twice')} trained twice; report at "
-          f"{config.run_dir}/soak_report.json")
-    if lost != 0 or accounting.get("trained_twice") or report["steps"] != config.max_steps:
+          f"{accounting['completed']} completed, {accounting['trained']} trained, "
+          f"{accounting['dropped_stale']} dropped stale, {accounting['held']} held, "
+          f"{accounting['duplicates']} duplicates skipped, {accounting['lost']} lost, "
+          f"{accounting['forgot_early']} forgotten early, {accounting['consumed_twice']} "
+          f"consumed twice; report at {config.run_dir}/soak_report.json")
+    if accounting["lost"] or accounting["forgot_early"] or accounting["consumed_twice"] or \
+            report["steps"] != config.max_steps:
         sys.exit(1)
 
 

@@ -1,118 +1,93 @@
-"""Where every rollout of a run went, from what the run left on disk (issue 7).
+"""Where every rollout of a run went, by key, from what the run left on disk.
 
-After a run has stopped, `rollout_accounting(run_dir)` counts, each from its own durable
-record:
+Every rollout an actor completes gets a key (actor_id, seq) in its spool (actors/spool.py); the
+learner records the keys it consumed for good (trained, dropped as too stale, refused as from
+the future) in its checkpoints (learner/consumed.py) and journals what it sampled after its
+newest checkpoint (learner/journal.py). After a run has stopped, `rollout_accounting(run_dir)`
+puts the two sides together:
 
-  completed         rollouts the actors finished generating (their spool ledgers)
-  inserted          confirmed in replay by an actor (spool ledgers)
-  rejected          refused by the writer's validation, by reason (spool ledgers)
-  pending_in_spools completed, not yet confirmed (re-inserted by a resumed run)
-  replay_inserts    inserts replay counted (its checkpoint's rate-limiter statistics)
-  replay_samples    rollouts replay handed out (samples / samples_per_insert: an
-                    acknowledged table samples each rollout ACK_TIMES_SAMPLED (4) times;
-                    replay/tables.py)
-  queued_in_replay  still in the table at the end (its checkpoint)
-  trained           trained on by a policy step (the learner's newest checkpoint)
-  value_pretraining consumed by critic-only value pretraining
-  dropped_stale     dropped by the learner as staler than max_staleness
-  learner_buffered  taken from replay by the learner's reader but never used (lost)
-  in_learner_journal sampled after the newest learner checkpoint (redone on resume)
+  completed          keys the actors completed (their spool ledgers)
+  refused            rollouts the actors' check refused before spooling, by reason
+  sent_once          keys handed to replay at least once
+  resent             sends beyond the first (actors' stats: loss epochs, restarts)
+  acknowledged       keys the actors forgot because the learner consumed them
+  held               keys still in the spools (sent again by a resumed run)
+  consumed           keys the learner consumed for good (its newest checkpoint)
+  in_learner_journal keys sampled after that checkpoint (redone by a resumed run)
+  trained, dropped_stale, value_pretraining   the learner's counters
+  duplicates         copies the learner skipped because their key was consumed already
 
-and from them (replay's own books always balance: replay_inserts = replay_samples +
-queued_in_replay)
+and from them
 
-  duplicates      = replay_inserts - inserted, if > 0 (an actor killed between replay's
-                    confirmation and its ledger line inserts that rollout again)
-  lost_in_replay  = inserted - replay_inserts, if > 0 (replay restored a checkpoint older than
-                    inserts it had confirmed)
-  consumed        = trained + value_pretraining + dropped_stale + in_learner_journal
-  lost_in_transit = replay_samples - consumed - learner_buffered, if > 0 (taken from replay by
-                    a learner killed before its journal had them)
-  trained_twice   = consumed + learner_buffered - replay_samples, if > 0 (replay restored a
-                    checkpoint older than samples it had handed out, and handed them out again)
-  lost            = lost_in_replay + lost_in_transit + learner_buffered
+  lost          keys completed that nobody holds: not consumed, not journalled, not in a spool
+  forgot_early  keys an actor forgot that the learner never consumed (an acknowledgement bug)
+  consumed_twice  training-and-dropping events beyond one per consumed key
 
-`lost` is 0 when every rollout replay confirmed was trained on, dropped by a rule, or is still
-queued: the point of the spool, the journal and the replay checkpoints. A replay node killed
-with SIGKILL returns to its last periodic checkpoint (lost_in_replay, trained_twice); one
-restarted cooperatively while actors and the learner keep running checkpoints while they still
-insert and sample, so the same can happen for what lands during the checkpoint's write. A
-program stop is exact (actors and learner stop before replay writes its last checkpoint).
-
-Needs Reverb (the replay checkpoint is read by restoring it into a throw-away server).
+`lost`, `forgot_early` and `consumed_twice` are 0 in a correct run, whatever was killed when.
+Needs no Reverb.
 """
 from __future__ import annotations
 
 import collections
 import glob
+import json
 import os
-from typing import Dict, Optional
+from typing import Dict
 
 
-def rollout_accounting(run_dir: str, replay_checkpoint_dir: Optional[str] = None) -> Dict:
+def rollout_accounting(run_dir: str) -> Dict:
     """The counts above for the run in `run_dir` (stopped)."""
     from sao_actor_learner.actors.spool import read_ledger
     from sao_actor_learner.learner import journal as journal_lib
+    from sao_actor_learner.learner.consumed import ConsumedKeys
 
-    out: Dict = {"completed": 0, "inserted": 0, "rejected": collections.Counter(),
-                 "pending_in_spools": 0}
+    completed, acked, held = set(), set(), set()
+    refused: collections.Counter = collections.Counter()
+    sent_once = resent = 0
     for directory in sorted(glob.glob(os.path.join(run_dir, "spool", "actor_*"))):
-        counts = read_ledger(directory)
-        out["completed"] += counts["completed"]
-        out["inserted"] += counts["inserted"]
-        out["rejected"].update(counts["rejected"])
-        out["pending_in_spools"] += counts["pending"]
-    out["rejected"] = dict(out["rejected"])
+        actor = int(directory.rsplit("_", 1)[1])
+        state = read_ledger(directory)
+        completed |= {(actor, s) for s in state["completed"]}
+        acked |= {(actor, s) for s in state["acked"]}
+        held |= {(actor, s) for s in state["held"]}
+        refused.update(state["refused"])
+        sent_once += len(state["sent"])
+        stats = os.path.join(run_dir, f"actor_{actor}_stats.json")
+        if os.path.exists(stats):
+            with open(stats) as f:
+                resent += int(json.load(f).get("rollouts_resent", 0))
 
     root = os.path.join(run_dir, "checkpoints")
     point = journal_lib.ResumePoint(root)
-    state = {}
+    state: Dict = {}
     if point.checkpoint is not None:
         import torch
         state = torch.load(os.path.join(point.checkpoint, journal_lib.LEARNER_STATE_FILE),
                            weights_only=False)
-    out["learner_version"] = int(state.get("version", 0))
-    out["trained"] = int(state.get("rollouts_trained", 0))
-    out["value_pretraining"] = int(state.get("pretrain_consumed", 0))
-    out["dropped_stale"] = int(state.get("dropped_stale", 0))
-    out["learner_buffered"] = int(state.get("reader_buffered", 0))
-    out["in_learner_journal"] = sum(len(r) for r in point.replay)
-
-    capacity = 1   # Reverb restores the checkpoint's own limiter; the config's avoids a warning
-    try:
-        from sao_actor_learner.config import SAOConfig
-        with open(os.path.join(run_dir, "config.json")) as f:
-            capacity = SAOConfig.from_json(f.read()).effective_queue_capacity
-    except (OSError, ValueError, TypeError):
-        pass
-    replay = _replay_counts(replay_checkpoint_dir or os.path.join(root, "replay"), capacity)
-    out.update(replay)
-    if replay.get("replay_inserts") is not None:
-        out["duplicates"] = max(0, replay["replay_inserts"] - out["inserted"])
-        out["lost_in_replay"] = max(0, out["inserted"] - replay["replay_inserts"])
-        consumed = (out["trained"] + out["value_pretraining"] + out["dropped_stale"]
-                    + out["in_learner_journal"])
-        taken = replay["replay_samples"]
-        out["lost_in_transit"] = max(0, taken - consumed - out["learner_buffered"])
-        out["trained_twice"] = max(0, consumed + out["learner_buffered"] - taken)
-        out["lost"] = out["lost_in_replay"] + out["lost_in_transit"] + out["learner_buffered"]
-    return out
-
-
-def _replay_counts(checkpoint_dir: str, capacity: int) -> Dict:
-    """Inserts, samples and queue size held by the newest replay checkpoint in the folder."""
-    if not os.path.isdir(checkpoint_dir) or not os.listdir(checkpoint_dir):
-        return {"replay_inserts": None, "replay_samples": None, "queued_in_replay": 0}
-    from sao_actor_learner.replay import DEFAULT_TABLE, ReplayServer
-    from sao_actor_learner.replay.tables import table_info
-
-    server = ReplayServer(capacity, checkpoint_dir=checkpoint_dir).start()
-    try:
-        info = table_info(server.client(), DEFAULT_TABLE)
-        rl = info.rate_limiter_info
-        per_rollout = max(1, int(round(rl.samples_per_insert)))   # 4: an acknowledged table
-        return {"replay_inserts": int(rl.insert_stats.completed),
-                "replay_samples": int(rl.sample_stats.completed) // per_rollout,
-                "queued_in_replay": int(info.current_size)}
-    finally:
-        server._shutdown()
+    sampler = state.get("sampler", {})
+    consumed_keys = ConsumedKeys()
+    consumed_keys.load_state_dict(sampler.get("consumed", {}))
+    journalled = {r.key for record in point.replay for r in record}
+    for rank_dir in glob.glob(os.path.join(root, "journal_rank*")):
+        rank = int(rank_dir.rsplit("rank", 1)[1])
+        journalled |= {r.key for record in journal_lib.ResumePoint(root, rank).replay
+                       for r in record}
+    totals = state.get("group_totals", {})
+    trained = int(state.get("rollouts_trained", 0))
+    dropped = int(totals.get("dropped", 0))
+    pretrain = int(state.get("consumed_without_version", 0))
+    refused_future = int(totals.get("from_future", 0))
+    consumed = {k for k in completed | acked if consumed_keys.contains(k)}
+    lost = completed - consumed - journalled - held
+    return {
+        "completed": len(completed), "refused": dict(refused), "sent_once": sent_once,
+        "resent": resent, "acknowledged": len(acked), "held": len(held),
+        "consumed": len(consumed), "in_learner_journal": len(journalled - consumed),
+        "learner_version": int(state.get("version", 0)), "trained": trained,
+        "dropped_stale": dropped, "value_pretraining": pretrain,
+        "refused_from_future": refused_future,
+        "duplicates": int(totals.get("duplicates", 0)),
+        "lost": len(lost), "lost_keys": sorted(lost)[:20],
+        "forgot_early": len(acked - consumed),
+        "consumed_twice": max(0, trained + dropped + pretrain + refused_future - len(consumed)),
+    }

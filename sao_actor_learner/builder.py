@@ -6,6 +6,7 @@ torch models, the learner never imports the engine, nothing but the replay path 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 from typing import Optional
@@ -48,7 +49,7 @@ def make_replay_server(config: SAOConfig, port: int = 0, run_dir: Optional[str] 
     checkpoint_dir = replay_checkpoint_dir(config, run_dir) if config.replay_checkpoints else None
     return ReplayServer(config.effective_queue_capacity, port=port, checkpoint_dir=checkpoint_dir,
                         checkpoint_every_s=config.replay_checkpoint_every_s if checkpoint_dir
-                        else 0.0, acknowledged=config.replay_exactly_once)
+                        else 0.0)
 
 
 # --- fault tolerance and security (issue 7) ---------------------------------------------------------
@@ -79,9 +80,10 @@ def prepare_run_dir(config: SAOConfig, run_dir: Optional[str] = None) -> None:
     if config.resume:
         _check_resumable(config, run_dir)
         return
-    doomed = glob.glob(os.path.join(run_dir, "checkpoints", "step_*")) + [
-        os.path.join(run_dir, "checkpoints", "journal"), os.path.join(run_dir, "spool"),
-        replay_checkpoint_dir(config, run_dir)]
+    doomed = glob.glob(os.path.join(run_dir, "checkpoints", "step_*")) + \
+        glob.glob(os.path.join(run_dir, "checkpoints", "journal*")) + [
+            os.path.join(run_dir, "spool"), replay_checkpoint_dir(config, run_dir),
+            variables_state_dir(run_dir)]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -99,11 +101,6 @@ def _check_resumable(config: SAOConfig, run_dir: str) -> None:
             previous = SAOConfig.from_json(f.read())
     except (TypeError, ValueError):   # written by another version of the config: can't compare
         return
-    if config.replay_checkpoints and previous.replay_exactly_once != config.replay_exactly_once:
-        raise ConfigError(
-            f"resume=True with replay_exactly_once={config.replay_exactly_once}, but the run in "
-            f"{run_dir!r} used {previous.replay_exactly_once}: the replay checkpoint restores "
-            "its own table; resume with the same replay_exactly_once")
     if config.replay_checkpoints and \
             previous.effective_queue_capacity != config.effective_queue_capacity:
         raise ConfigError(
@@ -122,8 +119,10 @@ def launch_options(config: SAOConfig) -> dict:
     policy = lp.RestartPolicy(max_restarts=config.max_restarts,
                               backoff_s=config.restart_backoff_s,
                               max_backoff_s=max(30.0, config.restart_backoff_s))
-    options = {"restart": {group: policy for group in config.restart_groups},
-               "bind_host": config.bind_host}
+    restart = {group: policy for group in config.restart_groups}
+    if config.learners > 1 and "learner" in restart:   # a group of ranks dies and comes back whole
+        restart["learner"] = dataclasses.replace(policy, together=True)
+    options = {"restart": restart, "bind_host": config.bind_host}
     if config.launch == "ray":
         options["ray_address"] = config.ray_address or None
         options["resources"] = parse_ray_resources(config.ray_resources)
@@ -145,15 +144,21 @@ def _variables_client_security(config: SAOConfig, auth_token: str) -> dict:
     return {"auth_token": auth_token, "tls_root_cert": cert}
 
 
+def variables_state_dir(run_dir: str) -> str:
+    """Where the variable server keeps its admission counters and progress (a restart resumes
+    them, so the staleness bound holds across it)."""
+    return os.path.join(run_dir, "checkpoints", "variables")
+
+
 def make_variable_server(config: SAOConfig, publisher_token: str, port: int = 0,
-                         auth_token: str = ""):
+                         auth_token: str = "", run_dir: Optional[str] = None):
     from sao_actor_learner.variables import SafetensorsValidator, VariableServer
     forced = config.forced_staleness >= 0
     # Forced staleness k: admission lets actors start exactly one batch per version (eta 0), and
-    # the server keeps the k older versions they generate with.
-    # Issue 7: binds config.bind_host (non-loopback needs the auth token), optional TLS, and
-    # every published version is checked (names, dtypes, shapes pinned by version 0, finite
-    # values) before any client can fetch it.
+    # the server keeps the k older versions they generate with. It binds config.bind_host
+    # (non-loopback needs the auth token), optional TLS, and every published version is
+    # checked (names, dtypes, shapes pinned by version 0, finite values) before any client can
+    # fetch it.
     cert, key = _tls_files(config)
     return VariableServer(port=port, batch_size=config.batch_size,
                           max_staleness=0 if forced else config.max_staleness,
@@ -162,7 +167,9 @@ def make_variable_server(config: SAOConfig, publisher_token: str, port: int = 0,
                           keep_versions=config.forced_staleness + 2 if forced else 2,
                           host=config.bind_host, auth_token=auth_token,
                           tls_cert_chain=cert, tls_private_key=key,
-                          validate_payload=SafetensorsValidator())
+                          validate_payload=SafetensorsValidator(),
+                          state_path=os.path.join(variables_state_dir(run_dir or config.run_dir),
+                                                  "state.json"))
 
 
 def make_task(config: SAOConfig, actor_id: int = 0, tokenizer=None):
@@ -259,7 +266,7 @@ def assemble_learner(config: SAOConfig, policy, critic=None, source=None, *, pub
 
 def make_learner(config: SAOConfig, replay_address: str, variables_address: str,
                  publisher_token: str, run_dir: Optional[str] = None, auth_token: str = "",
-                 rank: int = 0, group_address: str = ""):
+                 rank: int = 0, group_address: str = "", rollout_secret: str = ""):
     """A learner node (rank `rank` of config.learners; `group_address` is the learner group's
     rendezvous node). It resumes when run_dir holds a learner checkpoint or journal (a restart
     after a crash, or --resume): weights, critic, optimisers, version, counters and RNG state
@@ -268,14 +275,14 @@ def make_learner(config: SAOConfig, replay_address: str, variables_address: str,
     setup_process(config, offset=10_000 + rank)
     if config.learners == 1:
         return _build_learner(config, replay_address, variables_address, publisher_token,
-                              run_dir, auth_token)
+                              run_dir, auth_token, rollout_secret)
     return LearnerRank(config, replay_address, variables_address, publisher_token, run_dir,
-                       auth_token, rank, group_address)
+                       auth_token, rollout_secret, rank, group_address)
 
 
 def _build_learner(config: SAOConfig, replay_address: str, variables_address: str,
                    publisher_token: str, run_dir: Optional[str], auth_token: str,
-                   collective=None):
+                   rollout_secret: str, collective=None):
     import torch
 
     from sao_actor_learner.learner import distributed
@@ -307,8 +314,8 @@ def _build_learner(config: SAOConfig, replay_address: str, variables_address: st
                                layers=getattr(base_model_of(policy), "layers", ()))
     learner = assemble_learner(
         config, policy, critic,
-        source=resume.reader(lambda on_fetched: _learner_reader(config, replay_address,
-                                                                on_fetched, resume)),
+        source=resume.reader(lambda on_fetched: _learner_reader(
+            config, replay_address, on_fetched, rollout_secret, tokenizer.vocab_size)),
         publisher=VariablePublisher(variables_address, publisher_token,
                                     **_variables_client_security(config, auth_token))
         if collective.is_main else None,
@@ -321,14 +328,16 @@ def _build_learner(config: SAOConfig, replay_address: str, variables_address: st
     return learner
 
 
-def _learner_reader(config: SAOConfig, replay_address: str, on_fetched, resume):
-    """The learner's replay reader: exactly-once (acknowledged table) or the plain one; either
-    hands each rollout to the journal (`on_fetched`) as soon as it has it."""
-    if config.replay_exactly_once:
-        from sao_actor_learner.replay.acked_reader import AckedReader
-        return AckedReader(replay_address, on_peeked=on_fetched, skip_keys=resume.replay_keys())
+def _learner_reader(config: SAOConfig, replay_address: str, on_fetched, rollout_secret: str,
+                    vocab_size: int):
+    """The learner's replay reader: it checks every item (columns, ranges, the run's
+    signature), drops and counts bad ones, and hands each good rollout to the journal
+    (`on_fetched`) as soon as it has it."""
     from sao_actor_learner.replay import RolloutReader
-    return RolloutReader(replay_address, on_fetched=on_fetched)
+    from sao_actor_learner.replay.validation import RolloutSigner, RolloutVerifier
+    verifier = RolloutVerifier(RolloutSigner(rollout_secret), vocab_size,
+                               config.max_sequence_length)
+    return RolloutReader(replay_address, on_fetched=on_fetched, verifier=verifier)
 
 
 class LearnerRank(core.Worker):
@@ -336,12 +345,12 @@ class LearnerRank(core.Worker):
     learner. The group forms in run() because every rank must be up before any returns."""
 
     def __init__(self, config: SAOConfig, replay_address: str, variables_address: str,
-                 publisher_token: str, run_dir: Optional[str], auth_token: str, rank: int,
-                 group_address: str):
+                 publisher_token: str, run_dir: Optional[str], auth_token: str,
+                 rollout_secret: str, rank: int, group_address: str):
         if not group_address:
             raise ValueError("a learner group rank needs the group's rendezvous address")
         self._args = (config, replay_address, variables_address, publisher_token, run_dir,
-                      auth_token)
+                      auth_token, rollout_secret)
         self.rank, self.group_address = rank, group_address
         self.learner = None
         self._stopped = False
@@ -386,34 +395,44 @@ class LearnerGroupStore(core.Worker):
 
 
 def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_address: str,
-               run_dir: Optional[str] = None, auth_token: str = ""):
+               run_dir: Optional[str] = None, auth_token: str = "", rollout_secret: str = "",
+               wrap_engine=None):
+    """An actor node. Its spool (run_dir/spool/actor_<id>, or a temporary folder without
+    config.actor_spool) keeps every rollout until the learner acknowledges it; its writer signs
+    every item with the run's `rollout_secret`. `wrap_engine(engine) -> engine` puts something
+    around the engine (a log, a fault injector)."""
     setup_process(config, offset=actor_id + 1)
-    from sao_actor_learner.actors.actor import Actor
-    from sao_actor_learner.models import checkpoint as ckpt
-    from sao_actor_learner.replay import RolloutWriter
-    from sao_actor_learner.variables import VariableClient
+    import tempfile
 
     import numpy as np
 
+    from sao_actor_learner.actors.actor import Actor
     from sao_actor_learner.actors.delays import make_delay_sampler
+    from sao_actor_learner.actors.spool import RolloutSpool, spool_dir
+    from sao_actor_learner.models import checkpoint as ckpt
+    from sao_actor_learner.replay import RolloutWriter
+    from sao_actor_learner.replay.validation import RolloutSigner
+    from sao_actor_learner.variables import VariableClient
 
     engine = make_engine(config, role=f"actor_{actor_id}", run_dir=run_dir)
     task = make_task(config, actor_id, tokenizer=engine.tokenizer)
+    if wrap_engine is not None:
+        engine = wrap_engine(engine)
     _follow_engine_version(task, engine)
     run_dir = run_dir or config.run_dir
     delay_rng = np.random.default_rng([config.seed, actor_id, 2])
-    spool = None
-    if config.actor_spool:   # issue 7: completed rollouts survive a crash of this actor
-        from sao_actor_learner.actors.spool import RolloutSpool, spool_dir
-        spool = RolloutSpool(spool_dir(run_dir, actor_id))
+    directory = spool_dir(run_dir, actor_id) if config.actor_spool else \
+        tempfile.mkdtemp(prefix=f"sao_spool_actor_{actor_id}_")
+    signer = RolloutSigner(rollout_secret) if rollout_secret else None
     return Actor(
         actor_id, task, engine,
         variables=VariableClient(variables_address, config.variable_update_period_s,
                                  **_variables_client_security(config, auth_token)),
-        writer=RolloutWriter(replay_address, max_sequence_length=config.max_sequence_length,
-                             vocab_size=engine.tokenizer.vocab_size),
-        decode=ckpt.bytes_to_state_dict_views,  # issue 8: engines copy them into the model
+        sink=RolloutWriter(replay_address, max_sequence_length=config.max_sequence_length,
+                           vocab_size=engine.tokenizer.vocab_size, signer=signer),
+        decode=ckpt.bytes_to_state_dict_views,  # engines copy them into the model
         params=sampling_params(config, stop_ids=engine.tokenizer.stop_ids),
+        spool=RolloutSpool(directory),
         actor_batch=config.actor_batch, admission_control=config.admission_control,
         seed=config.seed, max_total_tokens=config.max_sequence_length,
         max_turns=config.max_turns, env_threads=config.env_threads,
@@ -421,8 +440,7 @@ def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_
         group_size=config.group_size, forced_staleness=config.forced_staleness,
         delay_sampler=make_delay_sampler(config.actor_delay, config.actor_delay_mean_s,
                                          config.actor_delay_max_s, config.actor_delay_tail,
-                                         delay_rng),
-        spool=spool)
+                                         delay_rng))
 
 
 def make_evaluator(config: SAOConfig, variables_address: str, run_dir: Optional[str] = None,
@@ -458,8 +476,10 @@ def make_program(config: SAOConfig, run_dir: Optional[str] = None, actor_factory
                  auth_token: Optional[str] = None):
     """The SAO program: replay, variable server, learner, N actors, evaluator.
 
-    Nodes are wired only through handles; the publisher token is made here and given to the
-    variable server and the learner alone, so only the learner can publish weights.
+    Nodes are wired only through handles. Two secrets are made here: the publisher token, given
+    to the variable server and the learner alone (only the learner can publish weights), and
+    the rollout secret, given to the actors and the learner alone (actors sign every rollout
+    with it, the learner trains on nothing unsigned). Neither is written to config.json or logs.
     actor_factory: replaces `make_actor` (same arguments), e.g. to wrap the engine.
     auth_token: the shared secret every variable-server call must carry (None: $SAO_AUTH_TOKEN,
       "" for none); required when config.bind_host is not a loopback address (ConfigError).
@@ -470,25 +490,27 @@ def make_program(config: SAOConfig, run_dir: Optional[str] = None, actor_factory
     auth = check_launch_security(config, auth_token)
     secure = {"auth_token": auth} if auth else {}   # only factories that need it take it
     token = secrets.token_hex(16)
+    signed = {"rollout_secret": secrets.token_hex(32)}
     program = lp.Program("sao")
     with program.group("replay"):
         replay = program.add_node(lp.ServiceNode(make_replay_server, config, run_dir=run_dir))
     with program.group("variables"):
         variables = program.add_node(lp.ServiceNode(make_variable_server, config, token,
-                                                    **secure))
+                                                    run_dir=run_dir, **secure))
     with program.group("learner"):
         if config.learners == 1:
             program.add_node(lp.PyNode(make_learner, config, replay, variables, token, run_dir,
-                                       **secure))
+                                       **secure, **signed))
         else:   # a rendezvous node, then one node per rank
             store = program.add_node(lp.ServiceNode(make_learner_group_store, config))
             for rank in range(config.learners):
                 program.add_node(lp.PyNode(make_learner, config, replay, variables, token,
-                                           run_dir, rank=rank, group_address=store, **secure))
+                                           run_dir, rank=rank, group_address=store, **secure,
+                                           **signed))
     with program.group("actor"):
         for i in range(config.num_actors):
             program.add_node(lp.PyNode(actor_factory or make_actor, config, i, replay, variables,
-                                       run_dir, **secure))
+                                       run_dir, **secure, **signed))
     with program.group("evaluator"):
         program.add_node(lp.PyNode(make_evaluator, config, variables, run_dir, **secure))
     return program

@@ -5,6 +5,7 @@ Engine       generates tokens with per-token log-probs and policy versions.
 Task         hands out prompts and makes an Environment per episode; scores answers.
 Environment  one episode: takes the model's turn, answers with observation tokens and a reward.
 VariableSource  something that holds policy variables (the learner, the variable server).
+RolloutSink     where an actor's rollouts go (replay, through its writer).
 RolloutSource   where the learner's rollouts come from (replay, through its journal).
 Worker       anything a launcher runs: `run()` until done or until `stop()` is called.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 
 class Tokenizer(abc.ABC):
@@ -208,6 +209,22 @@ class VariableSource(abc.ABC):
         """(version, state_dict) of the newest policy."""
 
 
+class RolloutSink(abc.ABC):
+    """Where an actor's rollouts go: replay, through the actor's writer."""
+
+    @abc.abstractmethod
+    def check(self, rollout: "Rollout") -> Optional[str]:
+        """None when `rollout` may be sent, else why not (a replay.REJECT_REASONS key)."""
+
+    @abc.abstractmethod
+    def send(self, rollouts: Sequence["Rollout"], timeout_s: float) -> List[bool]:
+        """Hands checked rollouts to replay in order; per rollout whether it went (False: the
+        table stayed full until `timeout_s` and nothing was sent: send it again later)."""
+
+    def close(self) -> None:
+        """Releases connections."""
+
+
 class RolloutSource(abc.ABC):
     """Where a learner's rollouts come from: replay, through the learner's journal."""
 
@@ -233,6 +250,16 @@ class RolloutSource(abc.ABC):
     @property
     def buffered(self) -> int:
         """Rollouts taken from replay that no sample() has returned yet."""
+        return 0
+
+    @property
+    def rejected(self) -> Dict[str, int]:
+        """Replay items refused (forged, malformed, tampered), by reason."""
+        return {}
+
+    @property
+    def interruptions(self) -> int:
+        """How often the stream from replay broke (rollouts in transit may be lost)."""
         return 0
 
     def close(self) -> None:

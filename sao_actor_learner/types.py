@@ -15,7 +15,8 @@ import numpy as np
 # Per-token columns, in the order they are stored in replay.
 TOKEN_COLUMNS = ("tokens", "action_mask", "rollout_logp", "versions", "rewards")
 # Per-rollout scalar columns.
-SCALAR_COLUMNS = ("prompt_id", "actor_id", "group_id", "start_time", "end_time", "truncated")
+SCALAR_COLUMNS = ("prompt_id", "actor_id", "group_id", "start_time", "end_time", "truncated",
+                  "seq")
 
 TOKEN_DTYPES = {
     "tokens": np.int32,
@@ -31,6 +32,7 @@ SCALAR_DTYPES = {
     "start_time": np.float64,
     "end_time": np.float64,
     "truncated": np.int8,
+    "seq": np.int64,
 }
 
 
@@ -48,6 +50,9 @@ class Rollout:
     group_id:     id shared by the G rollouts of one prompt in group mode (GRPO); else = prompt_id.
     start_time, end_time: wall-clock seconds since the epoch, actor's clock.
     truncated:    1 if the episode was cut by a length/turn limit (the learner may bootstrap).
+    seq:          the actor's sequence number of this rollout (from its spool; -1 before it is
+                  spooled). (actor_id, seq) names the rollout end to end: the learner trains a
+                  key once and acknowledges it back to the actor (`key`).
     """
     tokens: np.ndarray
     action_mask: np.ndarray
@@ -60,12 +65,18 @@ class Rollout:
     start_time: float = 0.0
     end_time: float = 0.0
     truncated: int = 0
+    seq: int = -1
 
     def __post_init__(self):
         for name in TOKEN_COLUMNS:
             setattr(self, name, np.asarray(getattr(self, name), dtype=TOKEN_DTYPES[name]))
         if self.group_id < 0:
             self.group_id = self.prompt_id
+
+    @property
+    def key(self) -> tuple:
+        """(actor_id, seq): the rollout's identity from actor to learner."""
+        return (int(self.actor_id), int(self.seq))
 
     @property
     def length(self) -> int:

@@ -35,12 +35,12 @@ class CorruptingEngine(core.Engine):
         return self._engine.version
 
 
-def make_corrupting_actor(config, actor_id, replay_address, variables_address, run_dir=None):
-    """Actor 0 is healthy; the others run a CorruptingEngine."""
-    actor = builder.make_actor(config, actor_id, replay_address, variables_address, run_dir)
-    if actor_id > 0:
-        actor._engine = CorruptingEngine(actor._engine, actor._engine.tokenizer.vocab_size)
-    return actor
+def make_corrupting_actor(config, actor_id, replay_address, variables_address, run_dir=None,
+                          **kwargs):
+    """Every actor runs a CorruptingEngine (so rejections come whichever actor is faster)."""
+    return builder.make_actor(
+        config, actor_id, replay_address, variables_address, run_dir,
+        wrap_engine=lambda e: CorruptingEngine(e, e.tokenizer.vocab_size), **kwargs)
 
 
 make_program_with_corrupting_actors = functools.partial(builder.make_program,

@@ -103,19 +103,21 @@ def test_many_actors_share_one_bucket():
 
 
 # ------------------------------------------------------------------------------ progress
-def test_progress_is_normalised_and_only_moves_forward():
+def test_progress_is_normalised_and_merges_forward():
     p = make_progress(3, 2, 40, 0, {7: (5, [9, 1, 6, 6, 4]), 2: (0, ())})
     assert p.acks == {2: ActorAcks(0, ()), 7: ActorAcks(5, (6, 9))}   # below watermark: dropped
     assert [s for s in range(12) if p.acked(7).consumed(s)] == [0, 1, 2, 3, 4, 6, 9]
     assert p.acked(99) == ActorAcks() and not p.acked(99).consumed(0)
     assert Progress.from_state(json.loads(json.dumps(p.to_state()))) == p
-    assert p.refusal(make_progress(3, 2, 40, 0, {2: (0, []), 7: (5, [9, 6])})) == ""  # identical
-    assert p.refusal(make_progress(4, 2, 41, 1, {})) == ""            # acks may be replaced
+    assert p.merged(make_progress(3, 2, 40, 0, {2: (0, []), 7: (5, [9, 6])})) == p  # identical
+    later = p.merged(make_progress(4, 2, 41, 1, {7: (8, [10])}))
+    assert (later.version, later.trained_total, later.loss_epoch) == (4, 41, 1)
+    assert later.acked(7) == ActorAcks(8, (9, 10)) and later.acked(2) == ActorAcks(0, ())
     base = {"version": 3, "dropped_total": 2, "trained_total": 40, "loss_epoch": 1}
-    stored = make_progress(**base, acks={})
+    stored = make_progress(**base, acks={1: (4, [6])})
     for field in base:                                                # any total backwards
-        behind = make_progress(**{**base, field: base[field] - 1}, acks={})
-        assert field in stored.refusal(behind) and "cumulative" in stored.refusal(behind)
+        behind = make_progress(**{**base, field: base[field] - 1}, acks={1: (2, [])})
+        assert stored.merged(behind) == stored
 
 
 def test_progress_limits():

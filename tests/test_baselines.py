@@ -261,41 +261,92 @@ class CountingTask(core.Task):
         return False
 
 
-def test_actor_group_mode_repeats_each_prompt_g_times():
-    actor = Actor(0, CountingTask(), engine=None, variables=None, writer=None, decode=None,
-                  params=None, actor_batch=8, group_size=4)
-    ids = [p.prompt_id for p in actor._prompts_for(8)]
+def test_actor_group_mode_repeats_each_prompt_g_times(tmp_path):
+    from sao_actor_learner.actors.spool import RolloutSpool
+
+    spool = RolloutSpool(str(tmp_path / "spool"))
+    actor = Actor(0, CountingTask(), engine=None, variables=None, sink=None, decode=None,
+                  params=None, spool=spool, actor_batch=8, group_size=4)
+    ids = [p.prompt_id for p in actor.prompts_for(8)]
     assert ids == [1, 1, 1, 1, 2, 2, 2, 2]
-    assert [p.prompt_id for p in actor._prompts_for(6)] == [3, 3, 3, 3, 4, 4]  # short last group
+    assert [p.prompt_id for p in actor.prompts_for(6)] == [3, 3, 3, 3, 4, 4]  # short last group
+    spool.close()
 
 
 def test_actor_inserts_delayed_rollouts_in_ready_order():
-    """The delivery thread (issue 8) writes a batch's rollouts when their delays have passed,
-    soonest first; counters follow. tests/test_actor_pipeline.py runs it inside a whole actor."""
+    """The delivery thread (actors/delivery.py) sends a batch's rollouts when their delays have
+    passed, soonest first, and reports each delay delivered. tests/test_actor_pipeline.py runs it
+    inside a whole actor."""
     import time
     from types import SimpleNamespace
 
-    class RecordingWriter:
-        rejected, last_write_confirmed = {}, True
+    from sao_actor_learner.actors.delivery import DelayedDelivery
 
-        def __init__(self):
-            self.seen = []
+    seen, delivered = [], []
 
-        def write(self, rollout, timeout_s):
-            self.seen.append((rollout.name, time.monotonic() - t0))
-            return True
+    def send(rollouts):
+        seen.extend((r.name, time.monotonic() - t0) for r in rollouts)
 
     delays = np.array([0.06, 0.0, 0.03])
-    writer = RecordingWriter()
-    actor = Actor(0, CountingTask(), engine=None, variables=None, writer=writer, decode=None,
-                  params=None, actor_batch=3, delay_sampler=lambda n: delays[:n])
+    delivery = DelayedDelivery(send, lambda n: delays[:n], max_waiting=3,
+                               stop=threading.Event(),
+                               on_delivered=lambda r, d: delivered.append((r.name, d)))
     t0 = time.monotonic()
-    actor._deliver_later([SimpleNamespace(name=x, total_reward=1.0) for x in "abc"])
-    actor._close_delivery(drain=True)
-    assert [x for x, _ in writer.seen] == ["b", "c", "a"]
-    assert [t >= d for (_, t), d in zip(writer.seen, (0.0, 0.03, 0.06))] == [True] * 3
-    assert actor.counters["injected_delay_s"] == pytest.approx(0.09)
-    assert actor.counters["rollouts_inserted"] == 3 and actor.counters["reward_sum"] == 3.0
+    delivery.schedule([SimpleNamespace(name=x) for x in "abc"])
+    delivery.close(drain=True)
+    assert [x for x, _ in seen] == ["b", "c", "a"]
+    assert [t >= d for (_, t), d in zip(seen, (0.0, 0.03, 0.06))] == [True] * 3
+    assert delivered == [("b", 0.0), ("c", 0.03), ("a", 0.06)]
+    assert sum(d for _, d in delivered) == pytest.approx(0.09)
+    assert delivery.waiting == 0
+
+
+def test_delayed_delivery_bounds_waiting_stops_promptly_and_reraises_send_errors():
+    """At most max_waiting rollouts wait (wait_for_room blocks until stop); a stop leaves the
+    waiting ones unsent; an error of the send function comes back to the caller."""
+    import time
+    from types import SimpleNamespace
+
+    from sao_actor_learner.actors.delivery import DelayedDelivery
+
+    sent, stop = [], threading.Event()
+    delivery = DelayedDelivery(sent.extend, lambda n: np.full(n, 600.0), max_waiting=2,
+                               stop=stop)
+    with pytest.raises(ValueError, match="max_waiting=0"):
+        DelayedDelivery(sent.extend, lambda n: np.zeros(n), max_waiting=0, stop=stop)
+    delivery.schedule([SimpleNamespace(name=x) for x in "ab"])
+    delivery.wait_for_room(0)                      # room for nothing more: returns at once
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (delivery.wait_for_room(1), done.set()),
+                              daemon=True)
+    waiter.start()
+    assert not done.wait(0.3)                      # 2 waiting, 1 more would exceed 2
+    stop.set()
+    delivery.notify()
+    waiter.join(timeout=60)
+    assert done.is_set()
+    delivery.close(drain=True)                     # stopped: does not wait the 600 s
+    assert sent == [] and delivery.waiting == 2
+
+    def broken(rollouts):
+        raise OSError("replay is gone")
+
+    failing = DelayedDelivery(broken, lambda n: np.zeros(n), max_waiting=4,
+                              stop=threading.Event())
+    failing.schedule([SimpleNamespace(name="c")])
+    deadline = time.monotonic() + 60
+    while True:                                    # until the thread has failed
+        try:
+            failing.wait_for_room(0)
+        except RuntimeError as e:
+            assert "replay is gone" in str(e)
+            break
+        assert time.monotonic() < deadline, "the send error never came back"
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="delivery thread failed"):
+        failing.schedule([SimpleNamespace(name="d")])
+    with pytest.raises(RuntimeError, match="replay is gone"):
+        failing.close(drain=True)
 
 
 def test_delay_distributions():

@@ -156,7 +156,8 @@ def _try_ask(client, text):
 
 
 # ------------------------------------------------------------------------------ replay node
-def _rollout(i: int, vocab: int = 16, version: int = 0) -> Rollout:
+def _rollout(i: int, vocab: int = 16, version: int = 0, actor: int = 0,
+             seq: int = -1) -> Rollout:
     rng = np.random.default_rng(i)
     length = 6 + i % 5
     mask = np.zeros(length, np.int8)
@@ -165,16 +166,15 @@ def _rollout(i: int, vocab: int = 16, version: int = 0) -> Rollout:
                    rollout_logp=np.where(mask == 1, -rng.random(length), 0.0),
                    versions=np.where(mask == 1, version, -1),
                    rewards=np.where(np.arange(length) == length - 1, float(i % 2), 0.0),
-                   prompt_id=i)
+                   prompt_id=i, actor_id=actor, seq=seq)
 
 
 def test_replay_node_restart_restores_its_items(tmp_path):
     """The replay node of the SAO program (builder.make_replay_server, checkpointing under
-    run_dir, acknowledged table): restarted on request it checkpoints on the way out and
-    restores; killed with SIGKILL it restores the last periodic checkpoint. The address never
-    changes."""
-    from sao_actor_learner.replay import RolloutWriter
-    from sao_actor_learner.replay.acked_reader import AckedReader as RolloutReader
+    run_dir): restarted on request it checkpoints on the way out and restores; killed with
+    SIGKILL it restores the last periodic checkpoint. The address never changes. (What such a
+    restart loses, the actors still hold and re-send: the whole-run tests below.)"""
+    from sao_actor_learner.replay import RolloutReader, RolloutWriter
     config = SAOConfig(run_dir=str(tmp_path), batch_size=4, queue_capacity=16, actor_batch=4,
                        replay_checkpoint_every_s=0.5)
     program = lp.Program("replay")
@@ -215,107 +215,90 @@ def _queue(reader):
         return None
 
 
-def test_acknowledged_table_loses_nothing_between_read_and_acknowledgement():
-    """A consumer killed after reading a rollout but before acknowledging it leaves it at the
-    head: the next consumer reads it first; one that already holds it (its journal) skips it."""
-    from sao_actor_learner.replay import ReplayServer, RolloutWriter
-    from sao_actor_learner.replay.acked_reader import AckedReader
-    server = ReplayServer(4, acknowledged=True).start()
-    try:
-        with RolloutWriter(server.address, max_sequence_length=32, vocab_size=16) as writer:
-            assert all(writer.write(_rollout(i), timeout_s=5.0) for i in range(4))
-            assert not writer.write(_rollout(4), timeout_s=0.2)   # the queue bound holds (4)
-            journal = []
-            crashed = AckedReader(server.address, on_peeked=journal.append)
-            head = crashed._sample_head()             # read, then "killed" before the ack
-            key = int(head[0])
-            survivor = AckedReader(server.address, skip_keys=[key])   # its journal had it
-            got = survivor.sample(4, timeout_s=2.0)
-            assert [r.prompt_id for r in got] == [1, 2, 3] and survivor.skipped == 1
-            assert writer.write(_rollout(4), timeout_s=5.0)
-            assert writer.write(_rollout(5), timeout_s=5.0)
-            fresh = AckedReader(server.address, on_peeked=journal.append)
-            fresh._sample_head()                      # another read-then-crash
-            again = AckedReader(server.address, on_peeked=journal.append)
-            assert [r.prompt_id for r in again.sample(4, timeout_s=2.0)] == [4, 5]  # none lost
-            assert [r.prompt_id for r in journal] == [4, 5]
-            assert all(isinstance(r.replay_key, int) for r in journal)
-            assert again.sample(1, timeout_s=0.1) == [] and again.queue_size() == 0
-
-            # The head changes between the read and the acknowledgement (here another
-            # consumer takes it in between; in a run, a replay restart): the reader keeps what
-            # it read and the rollout its acknowledgement met is not lost.
-            assert all(writer.write(_rollout(i), timeout_s=5.0) for i in (6, 7, 8))
-            a, b = AckedReader(server.address), AckedReader(server.address)
-            reads = a._sample_head
-
-            def read_then_b_takes_the_head():
-                flat = reads()
-                if not b.sampled:
-                    b.sample(1, timeout_s=1.0)
-                return flat
-
-            a._sample_head = read_then_b_takes_the_head
-            assert [r.prompt_id for r in a.sample(1, timeout_s=2.0)] == [6]
-            assert b.sampled == 1                                 # b took 6 too (2 consumers)
-            rest = AckedReader(server.address).sample(4, timeout_s=2.0)
-            assert [r.prompt_id for r in rest] == [7, 8]          # 7, read once by a's ack, kept
-    finally:
-        server._shutdown()
-
-
-def test_writer_reports_when_an_unconfirmed_insert_lands():
+def test_an_unconfirmed_insert_lands_exactly_once():
     """Two writers see the same free slot: the loser's item waits in replay's rate limiter and its
-    `write` returns True unconfirmed; `take_landed` names it once replay has it, not before (the
-    actor keeps it spooled until then, so a run that stops first does not lose it)."""
+    `write` returns True unconfirmed; it lands, once, when the learner samples the first."""
     from sao_actor_learner.replay import ReplayServer, RolloutReader, RolloutWriter
     server = ReplayServer(1).start()
     try:
         with RolloutWriter(server.address, max_sequence_length=32, vocab_size=16) as writer:
-            assert writer.write(_rollout(0), timeout_s=5.0) and writer.last_write_confirmed
-            assert writer.take_landed() == []
-            writer._wait_for_free_slot = lambda deadline: True   # it saw the slot 0 took
-            assert writer.write(_rollout(1), timeout_s=0.3)
-            assert not writer.last_write_confirmed and writer.unconfirmed == 1
-            ticket = writer.last_ticket
-            assert writer.take_landed() == [] and writer.take_landed() == []
+            assert writer.write_many([_rollout(0)], timeout_s=5.0)[0].confirmed
+            writer._wait_for_free_slot = lambda deadline: 1      # it saw the slot 0 took
+            result = writer.write_many([_rollout(1)], timeout_s=0.3)[0]
+            assert result.inserted and not result.confirmed and writer.unconfirmed == 1
             reader = RolloutReader(server.address)
             assert [r.prompt_id for r in reader.sample(1, timeout_s=5.0)] == [0]
-            landed = []
-            ff.wait_for(lambda: landed.extend(writer.take_landed()) or landed, timeout=10,
-                        what="the waiting insert to land")
-            assert landed == [ticket] and writer.take_landed() == []
-            assert [r.prompt_id for r in reader.sample(1, timeout_s=5.0)] == [1]
+            assert [r.prompt_id for r in reader.sample(1, timeout_s=10.0)] == [1]
+            assert reader.sample(1, timeout_s=0.5) == []          # once, not twice
             reader.close()
     finally:
         server._shutdown()
 
 
+class _ListSource:
+    """A replay stand-in for the learner: hands out queued rollouts; `interruptions` can be
+    raised by the test as if the stream from replay had broken."""
+
+    def __init__(self):
+        self.items, self.interruptions = [], 0
+
+    def sample(self, n, timeout_s, min_items=1):
+        got, self.items = self.items[:n], self.items[n:]
+        return got
+
+    def queue_size(self):
+        return len(self.items)
+
+
+class _Recorder:
+    def __init__(self):
+        self.published, self.reports = [], []
+
+    def publish(self, version, payload, dropped_total=0):
+        self.published.append(version)
+
+    def report_progress(self, version, dropped_total, trained_total, loss_epoch=0, acks=None):
+        from sao_actor_learner.variables.publisher import ProgressResult
+        self.reports.append({"version": version, "loss_epoch": loss_epoch, "acks": acks})
+        return ProgressResult(0, 0, False, loss_epoch, version)
+
+
+def test_the_learner_trains_each_key_once_and_reports_loss_epochs(warm_start, tmp_path):
+    """At-least-once delivery, exactly-once training: copies of consumed keys are skipped and
+    counted; every consumed key is acknowledged per actor; the learner starts a loss epoch when
+    it starts and when the stream from replay broke."""
+    config = SAOConfig(init_checkpoint=warm_start, batch_size=4, actor_batch=4, max_steps=3,
+                       max_staleness=4)
+    policy, tokenizer = ckpt.load_policy(warm_start)
+    critic = ValueModel.from_policy(policy)
+    critic.freeze(config.critic_frozen_patterns)
+    source, recorder = _ListSource(), _Recorder()
+    resume = ResumePoint(str(tmp_path / "checkpoints"))
+    learner = assemble_learner(config, policy, critic, resume.reader(source), publisher=recorder,
+                               serialize=lambda sd: b"", pad_id=tokenizer.pad_id)
+    vocab = tokenizer.vocab_size
+    stream = [_rollout(i, vocab, version=0, actor=i % 2, seq=i // 2) for i in range(12)]
+    source.items = stream[:6] + stream[2:4] + stream[6:8] + stream[:2] + stream[8:]
+    learner.start_loss_epoch()
+    assert recorder.reports[-1]["loss_epoch"] == 1
+    for _ in range(3):
+        learner.step()
+    assert learner.sampler.duplicates == 4 and learner.rollouts_trained == 12
+    assert sorted(r.key for r in stream) == sorted(
+        (a, s) for a in (0, 1) for s in range(6) if learner.sampler.consumed.contains((a, s)))
+    assert recorder.reports[-1]["acks"] == {0: (6, []), 1: (6, [])}
+    source.interruptions += 1                                   # replay restarted
+    source.items = [_rollout(99, vocab, version=3, actor=0, seq=6)] * 4 + \
+        [_rollout(98 - i, vocab, version=3, actor=1, seq=6 + i) for i in range(4)]
+    learner.max_steps = 4
+    learner.step()
+    assert recorder.reports[-1]["loss_epoch"] == 2 and learner.sampler.duplicates == 7
+    # Four of batch 4: actor 0's seq 6 (its 3 copies skipped), actor 1's seqs 6-8; 9 waits.
+    assert recorder.reports[-1]["acks"] == {0: (7, []), 1: (9, [])}
+    assert [r.key for r in source.items] == [(1, 9)]
+
+
 # ------------------------------------------------------------------------------ actor spool
-def test_spool_keeps_completed_rollouts_across_crash_windows(tmp_path):
-    spool = RolloutSpool(str(tmp_path))
-    seqs = [spool.put(_rollout(i)) for i in range(4)]
-    spool.inserted_seq(seqs[0])
-    spool.rejected_seq(seqs[1], "too_long")
-    # Crash windows: a rollout renamed into place whose "put" line never made it, and an
-    # inserted one whose file was never removed.
-    os.rename(spool._path(seqs[3]), spool._path(99))
-    with open(spool._path(seqs[2]) + ".tmp", "wb") as f:
-        f.write(b"half a pickle")                                  # never completed
-    spool._append(f"ins {seqs[2]}")
-    spool.close()
-
-    again = RolloutSpool(str(tmp_path))
-    pending = again.pending()
-    assert [seq for seq, _ in pending] == [99]
-    np.testing.assert_array_equal(pending[0][1].tokens, _rollout(3).tokens)
-    assert again.completed == 5 and again.inserted == 2 and again.rejected == {"too_long": 1}
-    assert again.put(_rollout(7)) == 100                           # numbering continues
-    counts = read_ledger(str(tmp_path))
-    assert (counts["completed"], counts["inserted"], counts["pending"]) == (6, 2, 2)
-    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
-
-
 def test_admission_slots_of_rollouts_that_never_arrive_are_returned(tmp_path):
     """Rollouts admitted but refused by the writer, or lost in generation with a crashed actor,
     would hold their admission slots for ever (enough of them and the run stalls): the actor
@@ -326,10 +309,10 @@ def test_admission_slots_of_rollouts_that_never_arrive_are_returned(tmp_path):
     from sao_actor_learner.variables import VariableClient
     spool = RolloutSpool(str(tmp_path))
     spool.asking(4)
-    spool.admitted(4)                          # 4 admitted: 1 inserted, 1 refused, 1 pending,
-    seqs = [spool.put(_rollout(i)) for i in range(3)]   # 1 lost in generation
-    spool.inserted_seq(seqs[0])
-    spool.rejected_seq(seqs[1], "nonfinite_logp")
+    spool.admitted(4)                          # 4 admitted: 1 sent, 1 refused, 1 held,
+    seqs = [spool.put(_rollout(i)) for i in range(2)]   # 1 lost in generation
+    spool.sent(seqs[:1], 0)
+    spool.refuse("nonfinite_logp")
     spool.asking(4)                            # asked again, then killed before the answer
     spool.close()
     again = RolloutSpool(str(tmp_path))
@@ -449,11 +432,12 @@ def test_learner_resume_redoes_lost_steps_exactly(warm_start, tmp_path):
 # ------------------------------------------------------------------------------ a whole run
 def test_sao_run_survives_kill_9_of_an_actor_and_of_the_learner(warm_start, tmp_path):
     """local_mp, the whole SAO program: kill -9 an actor once it has inserted, then the learner
-    just after a step past its last checkpoint. The actor is restarted and re-inserts what it had
-    spooled; the learner resumes from its checkpoint, redoes the journalled steps with
-    byte-identical weights (the variable server accepts the republished version) and the run
-    finishes with versions 1..16 intact; every inserted rollout is trained, dropped for staleness
-    or still queued. (Replay restarts: test_replay_node_restart_restores_its_items.)"""
+    just after a step past its last checkpoint. The actor is restarted and sends what it had
+    spooled and not sent; the learner resumes from its checkpoint, redoes the journalled steps
+    with byte-identical weights (the variable server accepts the republished version), starts a
+    loss epoch (the actors re-send what it never acknowledged; it skips the copies) and the run
+    finishes with versions 1..16 intact; every completed rollout is consumed once or still held.
+    (Replay is killed in the soak test.)"""
     from sao_actor_learner.accounting import rollout_accounting
     config = SAOConfig(init_checkpoint=warm_start, run_dir=str(tmp_path / "run"), max_steps=16,
                        batch_size=8, num_actors=2, actor_batch=4, max_staleness=2,
@@ -468,8 +452,8 @@ def test_sao_run_survives_kill_9_of_an_actor_and_of_the_learner(warm_start, tmp_
 
     def inject_faults(launched):
         ledger = os.path.join(run_dir, "spool", "actor_0", "ledger.log")
-        ff.wait_for(lambda: os.path.exists(ledger) and "ins " in open(ledger).read(),
-                    timeout=240, what="actor_0 inserted", poll=0.01)
+        ff.wait_for(lambda: os.path.exists(ledger) and "sent " in open(ledger).read(),
+                    timeout=240, what="actor_0 sent", poll=0.01)
         events["actor"] = ff.nodes_json(run_dir)["actor_0"]["pid"]
         os.kill(events["actor"], signal.SIGKILL)
         ff.wait_for(lambda: (s := step()) > 4 and s % 4 and s < 16, timeout=120,
@@ -503,13 +487,10 @@ def test_sao_run_survives_kill_9_of_an_actor_and_of_the_learner(warm_start, tmp_
     acc = rollout_accounting(run_dir)
     assert acc["learner_version"] == 16
     assert acc["trained"] == 16 * config.batch_size == summary["rollouts_trained"]
-    assert acc["completed"] == acc["inserted"] + sum(acc["rejected"].values()) + \
-        acc["pending_in_spools"]
-    assert acc["replay_inserts"] == acc["replay_samples"] + acc["queued_in_replay"]
-    assert acc["lost"] == 0 and acc["trained_twice"] == 0, acc
-    # At least once: an actor killed after replay confirmed a write_many batch but before its
-    # ledger recorded it re-inserts that batch (at most actor_batch rollouts) when restarted.
-    assert acc["duplicates"] <= config.actor_batch, acc
+    assert acc["lost"] == 0 and acc["consumed_twice"] == 0 and acc["forgot_early"] == 0, acc
+    assert acc["consumed"] == acc["trained"] + acc["dropped_stale"]
+    assert acc["consumed"] + acc["held"] >= acc["completed"]
+    assert acc["resent"] > 0                       # the learner's restart started a loss epoch
 
 
 def test_resume_refuses_a_changed_queue_capacity(tmp_path):
@@ -541,7 +522,8 @@ def test_soak_program_kills_nodes_and_accounts_for_every_rollout(warm_start, tmp
          f"--init_checkpoint={warm_start}", f"--run_dir={run_dir}", "--max_steps=40",
          "--num_actors=2", "--batch_size=8", "--actor_batch=4", "--eval_every=0",
          "--eval_size=16", "--checkpoint_every=4", "--kill_every_s=5", "--max_faults=3",
-         "--kill_targets=actor,actor,learner", "--progress=false"],
+         "--kill_targets=actor,learner,replay", "--replay_checkpoint_every_s=2",
+         "--progress=false"],
         capture_output=True, text=True, timeout=280, cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -550,12 +532,11 @@ def test_soak_program_kills_nodes_and_accounts_for_every_rollout(warm_start, tmp
     assert 1 <= report["faults_injected"] <= 3, report
     assert report["restarts_total"] == report["faults_injected"]
     r = report["rollouts"]
-    assert r["lost"] == 0 and r["trained_twice"] == 0
+    assert r["lost"] == 0 and r["consumed_twice"] == 0 and r["forgot_early"] == 0, r
     assert r["trained"] == 40 * 8
-    assert r["completed"] == r["inserted"] + sum(
-        v for k, v in r["dropped"].items() if k.startswith("rejected")) + \
-        r["pending_in_actor_spools_at_end"]
-    assert r["replay_inserts"] == r["inserted"] + r["duplicates"]
+    assert r["consumed_keys"] == r["trained"] + r["dropped"][
+        "stale (learner: staler than max_staleness)"]
+    assert r["consumed_keys"] + r["held_in_actor_spools_at_end"] >= r["completed"]
 
 
 def test_actor_asks_admission_again_when_the_variable_server_is_away():

@@ -334,13 +334,13 @@ def test_fuzz_1200_malformed_requests_and_the_server_still_serves(server):
     assert n >= 1000
     # Every kind was refused every time (none slipped through as OK), except the few legal
     # requests among the random ones (an Admit whose random bytes parse as a valid request).
-    oks = sum(v for (kind, code), v in seen.items() if code == "OK")
+    oks = sum(v for (kind, code), v in seen.items() if code == "OK" and kind != 21)
     assert oks <= 20, seen
-    for kind in (3, 4, 7, 8, 9, 11, 12, 13, 17, 18, 19, 20, 21):
+    for kind in (3, 4, 7, 8, 9, 11, 12, 13, 17, 18, 19, 20):
         assert seen.get((kind, "OK"), 0) == 0, (kind, seen)
     for kind, code in ((13, "PERMISSION_DENIED"), (19, "PERMISSION_DENIED"),
                        (3, "NOT_FOUND"), (17, "INVALID_ARGUMENT"), (18, "INVALID_ARGUMENT"),
-                       (21, "FAILED_PRECONDITION")):
+                       (21, "OK")):   # a backwards report is merged: accepted, changes nothing
         assert seen[(kind, code)] == 1200 // len(kinds) + (kind < 1200 % len(kinds)), kind
     for kind in (15, 16):                                       # garbage for the new calls
         assert seen.get((kind, "INVALID_ARGUMENT"), 0) > 10, (kind, seen)

@@ -49,19 +49,25 @@ def test_credit_from_report_progress_raises_capacity_without_any_publish(server)
     publisher.close()
 
 
-def test_reports_only_move_forward_identical_ones_are_accepted(server):
+def test_reports_are_merged_and_never_move_backwards(server):
     publisher = VariablePublisher(server.address, TOKEN)
     first = _report(publisher, 4, 2, 30, 1, {3: (7, [9])})
-    assert not first.identical
+    assert not first.identical and first.loss_epoch == 1
     again = _report(publisher, 4, 2, 30, 1, {3: (7, [9, 5])})   # 5 < watermark: the same report
     assert again.identical
     for args in ((3, 2, 30, 1), (4, 1, 30, 1), (4, 2, 29, 1), (4, 2, 30, 0)):
-        with pytest.raises(VariableClientError) as e:
-            _report(publisher, *args)
-        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and not e.value.retryable
-        assert "cumulative" in str(e.value)
-    assert _report(publisher, 5, 2, 32, 1, {}).identical is False
-    assert server.progress().version == 5 and server.stats()["progress_reports"] == 2
+        result = _report(publisher, *args)                    # older: merged, changes nothing
+        assert result.identical and (result.loss_epoch, result.version) == (1, 4)
+    stored = server.progress()
+    assert (stored.version, stored.dropped_total, stored.trained_total, stored.loss_epoch) == \
+        (4, 2, 30, 1) and stored.acked(3).consumed(9)
+    bumped = _report(publisher, 2, 0, 0, 2, {3: (5, [8]), 4: (1, [])})   # a restarted learner
+    assert not bumped.identical and bumped.loss_epoch == 2 and bumped.version == 4
+    merged = server.progress()
+    assert merged.acked(3).watermark == 7 and merged.acked(3).seqs == (8, 9)
+    assert merged.acked(4).watermark == 1 and merged.trained_total == 30
+    assert _report(publisher, 5, 2, 32, 2, {}).identical is False
+    assert server.progress().version == 5 and server.stats()["progress_reports"] == 3
     with pytest.raises(ValueError, match="dropped_total"):
         _report(publisher, 5, -1, 32, 1)                       # refused before it is sent
     publisher.close()
@@ -145,8 +151,7 @@ def test_admission_state_survives_a_stop_and_restart(tmp_path):
         assert client.acknowledged(1) == AckInfo(0, 4, (6,), 2, 8)
         publisher = VariablePublisher(new.address, TOKEN)
         assert _report(publisher, 2, 3, 8, 0, {1: (4, [6])}).identical   # a resumed learner
-        with pytest.raises(VariableClientError, match="FAILED_PRECONDITION"):
-            _report(publisher, 1, 3, 8, 0)
+        assert _report(publisher, 1, 3, 8, 0).identical                  # older: no change
         publisher.publish(3, b"w3")                             # the bound moves on
         assert client.admit("2", 5) == 2
         client.close()

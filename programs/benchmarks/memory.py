@@ -73,7 +73,7 @@ NODE_MODULES = {
     "learner": ["sao_actor_learner.learner.journal", "sao_actor_learner.learner.learner",
                 "sao_actor_learner.models.checkpoint", "sao_actor_learner.models.value",
                 "sao_actor_learner.observers", "sao_actor_learner.variables",
-                "sao_actor_learner.replay", "sao_actor_learner.replay.acked_reader",
+                "sao_actor_learner.replay", "sao_actor_learner.replay.validation",
                 "sao_actor_learner.observers.tensorboard"],
     "actor": ["sao_actor_learner.actors.actor", "sao_actor_learner.models.checkpoint",
               "sao_actor_learner.replay", "sao_actor_learner.variables",

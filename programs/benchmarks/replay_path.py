@@ -1,28 +1,30 @@
 r"""Rollouts/s through the project's replay writer and reader vs the best raw Reverb client loop.
 
-A Reverb server runs in a spawned process with queue tables of capacity --num_items. Each round
-writes --num_items rollouts of ~2k tokens (--min_len..--max_len), then reads them all back, for
-each path, interleaved (path A, B, C, D, then A, B, ... again) so machine load hits all alike:
+A Reverb server runs in a spawned process with one queue table of capacity --num_items per path.
+Each round writes --num_items rollouts of ~2k tokens (--min_len..--max_len), then reads them all
+back, for each path, interleaved (raw, ours, ours_unsigned, then raw, ... again) so machine load
+hits all alike:
 
-  raw         the best raw client loop: one long-lived legacy reverb Writer, append + create_item
-              per rollout and a single flush at the end (no validation, no padding, no timeout,
-              no per-batch confirmation), into Table.queue (no signature); read with one Reverb
-              sampler for all items (32 per request), raw numpy columns, no decoding.
-  ours        as a run uses it: the writer as the actors use it (RolloutWriter.write_many of
-              --actor_batch rollouts, timeout 1 s: validation and rejection counting, a free-slot
-              check before sending, padding to a length bucket, confirmation per call), into an
-              acknowledged table; the reader as the learner uses it by default
-              (replay_exactly_once: AckedReader.sample(--batch), decoded, each rollout read,
-              handed to on_peeked, then acknowledged).
-  ours_plain  the same writer; RolloutReader.sample(--batch) on a plain queue table
-              (replay_exactly_once=False).
-  before      the path before issue 8: RolloutWriter.write per rollout, and AckedReader on an
-              acknowledged table with 2 samples per rollout (a new Reverb sampler per sample).
+  raw            the best raw client loop: one long-lived legacy reverb Writer, append +
+                 create_item per rollout and a single flush at the end (no validation, no
+                 padding, no signature, no timeout, no per-batch confirmation), into
+                 Table.queue (no table signature); read with one Reverb sampler for all items (32
+                 per request), raw numpy columns, no decoding.
+  ours           the default path of a run: the actors' writer (RolloutWriter.write_many of
+                 --actor_batch rollouts, timeout 1 s: validation and rejection counting, an
+                 HMAC-SHA256 signature per rollout, a free-slot check before sending, padding to
+                 a length bucket, confirmation per call) into the rollouts table; the learner's
+                 reader (RolloutReader.sample(--batch) with a RolloutVerifier: every item's
+                 columns, ranges and signature checked, decoded, handed to on_fetched as the
+                 learner's journal is).
+  ours_unsigned  the same writer and reader without the signer and the verifier (zero
+                 signatures, items decoded unchecked): what the checks and the signature cost.
 
 Per path: write/s (write phase), read/s (read phase), write+read/s (num_items over both phases),
-best and median of --repeats rounds, and the ratios to raw. Target (issue 8): ours >= 0.7x raw on
-write+read. Every path checks that the rollouts came back complete, in order, unchanged. Ends
-with one JSON line of figures.
+best and median of --repeats rounds, and the ratios to raw (and of ours to ours_unsigned).
+Target: ours >= 0.7x raw on write+read. Every path checks that its rollouts came back complete,
+in order and unchanged (and, for ours, that none was refused). Prints a table, then one JSON
+line of figures.
 
   OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python programs/benchmarks/replay_path.py \
       --repeats=5
@@ -55,29 +57,24 @@ flags.DEFINE_integer("actor_batch", 8, "Rollouts per write_many call (SAOConfig.
 flags.DEFINE_integer("batch", 32, "Rollouts per reader.sample call (SAOConfig.batch_size).")
 flags.DEFINE_integer("repeats", 3, "Rounds; best and median of each figure are reported.")
 flags.DEFINE_integer("seed", 0, "Seed of the rollouts.")
-flags.DEFINE_list("paths", ["raw", "ours", "ours_plain", "before"], "Paths to measure.")
+flags.DEFINE_list("paths", ["raw", "ours", "ours_unsigned"], "Paths to measure.")
 
-PATHS = ("raw", "ours", "ours_plain", "before")
-TABLE_OF = {"raw": "raw", "ours": "acked", "ours_plain": "rollouts", "before": "acked2"}
+PATHS = ("raw", "ours", "ours_unsigned")
 TARGET = 0.7
+# The run's rollout secret (made at launch in a run; any 32 bytes here).
+SECRET = bytes(range(32))
 
 
 def _serve(capacity: int, conn) -> None:
-    """Child process: a Reverb server with the tables until the parent says stop."""
+    """Child process: a Reverb server with one table per path until the parent says stop."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import reverb
 
-    from sao_actor_learner.replay import make_rollouts_table, rollouts_signature
+    from sao_actor_learner.replay import make_rollouts_table
 
-    # The acknowledged table as issue 7 made it (2 samples per rollout), for the `before` path.
-    acked2 = reverb.Table(
-        name="acked2", sampler=reverb.selectors.Fifo(), remover=reverb.selectors.Fifo(),
-        max_size=capacity, max_times_sampled=2, signature=rollouts_signature(),
-        rate_limiter=reverb.rate_limiters.RateLimiter(
-            samples_per_insert=2, min_size_to_sample=1, min_diff=0, max_diff=2 * capacity))
-    server = reverb.Server(tables=[make_rollouts_table(capacity, "rollouts"),
-                                   make_rollouts_table(capacity, "acked", acknowledged=True),
-                                   acked2, reverb.Table.queue("raw", capacity)])
+    server = reverb.Server(tables=[make_rollouts_table(capacity, "ours"),
+                                   make_rollouts_table(capacity, "ours_unsigned"),
+                                   reverb.Table.queue("raw", capacity)])
     conn.send(server.port)
     conn.recv()
     server.stop()
@@ -97,46 +94,51 @@ def make_rollouts(n: int, seed: int) -> List[Rollout]:
             rollout_logp=np.where(mask == 1, -rng.random(length) * 4, 0.0),
             versions=np.where(mask == 1, i // 64, -1),
             rewards=np.where(np.arange(length) == length - 1, 1.0, 0.0),
-            prompt_id=i, actor_id=i % 4, start_time=time.time(), end_time=time.time()))
+            prompt_id=i, actor_id=i % 4, start_time=time.time(), end_time=time.time(),
+            seq=i // 4))   # (actor_id, seq): each actor's spool numbers its own rollouts
     return out
 
 
 def _check(name: str, got: List[Rollout], sent: List[Rollout]) -> None:
-    if [r.prompt_id for r in got] != [r.prompt_id for r in sent]:
+    if [r.key for r in got] != [r.key for r in sent]:
         raise RuntimeError(f"{name}: rollouts came back out of order or incomplete")
     for a, b in zip(got[::97], sent[::97]):
-        if not (np.array_equal(a.tokens, b.tokens) and np.array_equal(a.rewards, b.rewards)):
+        if not (np.array_equal(a.tokens, b.tokens) and np.array_equal(a.rewards, b.rewards)
+                and np.array_equal(a.rollout_logp, b.rollout_logp) and a.seq == b.seq):
             raise RuntimeError(f"{name}: a rollout changed on the way")
 
 
 def run_ours(address: str, rollouts: List[Rollout], path: str) -> Dict[str, float]:
     from sao_actor_learner.replay import RolloutReader, RolloutWriter
-    from sao_actor_learner.replay.acked_reader import AckedReader
+    from sao_actor_learner.replay.validation import RolloutSigner, RolloutVerifier
 
-    n, table = len(rollouts), TABLE_OF[path]
-    writer = RolloutWriter(address, table, FLAGS.max_sequence_length, FLAGS.vocab_size,
-                           buckets_per_octave=FLAGS.buckets_per_octave)
-    reader = (RolloutReader if path == "ours_plain" else AckedReader)(address, table)
+    n = len(rollouts)
+    signer = RolloutSigner(SECRET) if path == "ours" else None
+    verifier = RolloutVerifier(signer, FLAGS.vocab_size, FLAGS.max_sequence_length) \
+        if path == "ours" else None
+    fetched: List[tuple] = []   # what the learner's journal records, per rollout as it arrives
+    writer = RolloutWriter(address, path, FLAGS.max_sequence_length, FLAGS.vocab_size,
+                           buckets_per_octave=FLAGS.buckets_per_octave, signer=signer)
+    reader = RolloutReader(address, path, on_fetched=lambda r: fetched.append(r.key),
+                           verifier=verifier)
     t0 = time.perf_counter()
-    if path == "before":
-        for r in rollouts:
-            if not writer.write(r, timeout_s=1.0):
-                raise RuntimeError(f"{path}: write failed: {writer.stats()}")
-    else:
-        for i in range(0, n, FLAGS.actor_batch):
-            results = writer.write_many(rollouts[i:i + FLAGS.actor_batch], timeout_s=1.0)
-            if not all(r.inserted and r.confirmed for r in results):
-                raise RuntimeError(f"{path}: write_many failed: {results} {writer.stats()}")
+    for i in range(0, n, FLAGS.actor_batch):
+        results = writer.write_many(rollouts[i:i + FLAGS.actor_batch], timeout_s=1.0)
+        if not all(r.inserted and r.confirmed for r in results):
+            raise RuntimeError(f"{path}: write_many failed: {results} {writer.stats()}")
     t1 = time.perf_counter()
     got: List[Rollout] = []
     while len(got) < n:
         batch = reader.sample(min(FLAGS.batch, n - len(got)), timeout_s=1.0)
         if not batch:
-            raise RuntimeError(f"{path}: read timed out after {len(got)} of {n}")
+            raise RuntimeError(f"{path}: read timed out after {len(got)} of {n} "
+                               f"(refused: {reader.rejected})")
         got.extend(batch)
     t2 = time.perf_counter()
     writer.close()
     reader.close()
+    if reader.rejected or len(fetched) != n:
+        raise RuntimeError(f"{path}: {len(fetched)} of {n} fetched, refused {reader.rejected}")
     _check(path, got, rollouts)
     return {"write_s": t1 - t0, "read_s": t2 - t1}
 
@@ -199,7 +201,7 @@ def main(argv) -> None:
     print(f"\n{n} rollouts of ~{mean_tokens:.0f} tokens, server in another process, "
           f"{FLAGS.repeats} rounds (best / median), load {load_start:.1f} -> "
           f"{figures['load_avg_1m_end']:.1f}\n")
-    print(f"{'path':<12}{'write/s':>16}{'read/s':>16}{'write+read/s':>16}{'vs raw':>9}")
+    print(f"{'path':<15}{'write/s':>16}{'read/s':>16}{'write+read/s':>16}{'vs raw':>9}")
     for path, rounds in results.items():
         row = []
         for key, rates in (("write", [n / r["write_s"] for r in rounds]),
@@ -215,7 +217,15 @@ def main(argv) -> None:
                 figures[f"ratio_{path}_over_raw_{key}"] = round(
                     figures[f"{path}_{key}_per_s"] / figures[f"raw_{key}_per_s"], 3)
             ratio = f"{figures[f'ratio_{path}_over_raw_write_read']:>8.2f}x"
-        print(f"{path:<12}{''.join(row)}{ratio:>9}")
+        print(f"{path:<15}{''.join(row)}{ratio:>9}")
+    if "ours" in results and "ours_unsigned" in results:
+        for key in ("write", "read", "write_read"):
+            figures[f"ratio_ours_over_ours_unsigned_{key}"] = round(
+                figures[f"ours_{key}_per_s"] / figures[f"ours_unsigned_{key}_per_s"], 3)
+        print(f"\nsigning and checking: ours / ours_unsigned = "
+              f"{figures['ratio_ours_over_ours_unsigned_write']:.2f} (write), "
+              f"{figures['ratio_ours_over_ours_unsigned_read']:.2f} (read), "
+              f"{figures['ratio_ours_over_ours_unsigned_write_read']:.2f} (write+read)")
     if "ours" in results:
         figures["target_ratio"] = TARGET
         figures["target_met"] = figures["ratio_ours_over_raw_write_read"] >= TARGET

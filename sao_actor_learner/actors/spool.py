@@ -1,34 +1,39 @@
-"""An actor's spool: completed rollouts kept on disk until replay has confirmed them.
+"""An actor's spool: every completed rollout kept on disk until the learner acknowledges it.
 
-A rollout an actor has finished generating is written here before it is inserted, and removed
-once `RolloutWriter.write` confirms the insert (or refuses the rollout as invalid). If the actor
-dies in between (`kill -9`, an exception, a stop while the replay table is full), its restarted
-process finds the rollout here and inserts it first, so a completed rollout is never lost; a
-rollout still being generated is not complete and is not kept (its tokens are simply dropped).
-The writer validates before it sends anything, so a half-written rollout never reaches replay.
+End to end: an actor writes each completed (and valid) rollout here before it sends it, under a
+sequence number `seq` that names it from then on ((actor_id, seq) is the rollout's key); sends
+it to replay (`sent`, with the learner's loss epoch at that moment); and forgets it only when
+the learner's progress report says it was consumed for good, trained or dropped as too stale
+(`acknowledge`). When the learner reports a new loss epoch (it restarted, or replay did: what
+was in transit or queued may be gone), `to_resend` lists every spooled rollout sent in an
+earlier epoch, and the actor sends them again; copies that did arrive are skipped by the
+learner (it trains each key once). A restarted actor sends what it finds here that was never
+sent. So replay, the learner, the variable server and the actor itself can each die at any
+moment without a completed rollout being lost or trained twice.
 
 Folder layout (`<run_dir>/spool/actor_<id>/`):
-  <seq>.pkl    one pending rollout (pickled; written to a temporary name, then renamed)
-  ledger.log   one line per event, appended with a single write: "put SEQ" (completed),
-               "ins SEQ" (confirmed in replay), "rej SEQ REASON" (refused by the writer's
-               validation, REASON from replay.REJECT_REASONS); and for admission control
-               "ask K" (about to ask for K rollouts), "adm G" (G granted), "rel R" (R slots
-               returned to the variable server). Its counts are the actor's durable counters:
-               completed = puts, inserted = ins lines, and so on.
+  <seq>.pkl    one rollout not yet acknowledged (pickled; written to a temporary name, then
+               renamed)
+  ledger.log   one line per event, appended with a single write:
+                 "put SEQ"          completed and kept
+                 "sent SEQ EPOCH"   handed to replay in loss epoch EPOCH
+                 "ack SEQ"          acknowledged by the learner: forgotten
+                 "rej 0 REASON"     refused by validation before it was spooled (no seq)
+               and for admission control "ask K" (about to ask for K rollouts), "adm G" (G
+               granted), "rel R" (R slots returned). Its counts are the actor's durable
+               counters.
 
-Admission slots (variables/server.py): a rollout admitted but never inserted (refused by the
-writer, or lost in generation when the actor died) would hold its slot for ever, and enough of
-them stall the run. `owed_releases()` is what a (restarted) actor owes back: admitted, minus
-inserted, minus still pending here, minus already returned; an "ask" whose answer never made
-it to the ledger counts as granted (returning a slot too many only loosens admission).
+Admission slots: a rollout admitted but never spooled (refused by validation, or lost in
+generation when the actor died) would hold its slot for ever; `owed_releases()` is what a
+(restarted) actor owes back: admitted, minus spooled, minus already returned (what is left was
+refused or lost in generation); an "ask" whose answer never reached the ledger counts as granted
+(returning a slot too many only loosens admission).
 
-What survives a crash at each point: before the rename, nothing was completed (the temporary
-file is deleted at the next start); between the rename and "put", the start-up scan adds the
-missing "put"; between the confirmed insert and "ins", the rollout is inserted again at the next
-start (at-least-once: a duplicate in replay, which `RolloutSpool.counts` cannot see; compare
-replay's own insert counter to spot one).
-
-Plain files, no fsync: a process crash loses nothing written; a machine crash may.
+Crash points: before the rename nothing was completed (the temporary file is deleted at the next
+start); between the rename and "put" the start-up scan adds the "put"; a "sent" line lost makes
+the restarted actor send it again (a copy the learner skips); an acknowledged rollout whose file
+outlived the crash is deleted at the start. Plain files, no fsync: a process crash loses nothing
+written; a machine crash may.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ import os
 import pickle
 import re
 import threading
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from absl import logging
 
@@ -51,9 +56,11 @@ def spool_dir(run_dir: str, actor_id: int) -> str:
 
 
 def read_ledger(directory: str) -> Dict[str, object]:
-    """Counts from a spool's ledger: completed, inserted, rejected (by reason), pending, and
-    admitted / released admission slots."""
-    puts, ins, rej = set(), set(), {}
+    """What a spool's ledger and files hold: the seqs completed, sent (seq -> last epoch),
+    acknowledged and still held, rollouts refused before spooling (by reason), and admission
+    slots admitted and released."""
+    puts, acked, sent = set(), set(), {}
+    refused: collections.Counter = collections.Counter()
     admitted = released = 0
     asked = None               # an "ask" not yet answered by "adm"
     path = os.path.join(directory, LEDGER)
@@ -63,32 +70,33 @@ def read_ledger(directory: str) -> Dict[str, object]:
                 parts = line.split()
                 if len(parts) < 2 or not parts[1].isdigit():
                     continue   # a torn last line
-                seq = int(parts[1])
-                if parts[0] == "ask":
-                    asked = seq
-                elif parts[0] == "adm":
-                    admitted += seq
+                n = int(parts[1])
+                kind = parts[0]
+                if kind == "ask":
+                    asked = n
+                elif kind == "adm":
+                    admitted += n
                     asked = None
-                elif parts[0] == "rel":
-                    released += seq
-                elif parts[0] == "put":
-                    puts.add(seq)
-                elif parts[0] == "ins":
-                    ins.add(seq)
-                elif parts[0] == "rej" and len(parts) >= 3:
-                    rej[seq] = parts[2]
-    pending = [int(m.group(1)) for name in (os.listdir(directory) if os.path.isdir(directory)
-                                           else ()) if (m := _PENDING_RE.match(name))]
-    return {"completed": len(puts | ins | set(rej)), "inserted": len(ins),
-            "rejected": dict(collections.Counter(rej.values())),
-            "pending": len([s for s in pending if s not in ins and s not in rej]),
-            "admitted": admitted + (asked or 0), "released": released,
-            "seqs": (puts, ins, rej)}
+                elif kind == "rel":
+                    released += n
+                elif kind == "put":
+                    puts.add(n)
+                elif kind == "sent" and len(parts) >= 3 and parts[2].isdigit():
+                    sent[n] = int(parts[2])
+                elif kind == "ack":
+                    acked.add(n)
+                elif kind == "rej" and len(parts) >= 3:
+                    refused[parts[2]] += 1
+    files = {int(m.group(1)) for name in (os.listdir(directory) if os.path.isdir(directory)
+                                          else ()) if (m := _PENDING_RE.match(name))}
+    return {"completed": puts | files | acked, "puts": puts, "sent": sent, "acked": acked,
+            "held": files - acked, "refused": dict(refused),
+            "admitted": admitted + (asked or 0), "released": released}
 
 
 class RolloutSpool:
     """The on-disk spool of one actor (see the module docstring). Not shared between processes:
-    one actor process per folder at a time."""
+    one actor process per folder at a time. Thread-safe."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -96,52 +104,60 @@ class RolloutSpool:
         self._lock = threading.Lock()
         self._ledger = os.open(os.path.join(directory, LEDGER),
                                os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        counts = read_ledger(directory)
-        self._admitted, self._released = counts["admitted"], counts["released"]
-        puts, ins, rej = counts["seqs"]
-        seen = set(puts) | set(ins) | set(rej)
-        self._inserted = len(ins)
-        self._rejected = collections.Counter(rej.values())
-        self._completed = len(seen)
-        for name in sorted(os.listdir(directory)):
-            path = os.path.join(directory, name)
+        state = read_ledger(directory)
+        self._admitted, self._released = state["admitted"], state["released"]
+        self._refused = collections.Counter(state["refused"])
+        self._acked = len(state["acked"])
+        self._sent_epoch: Dict[int, int] = {}     # held seq -> epoch it was last sent in
+        for name in os.listdir(directory):
             if name.endswith(".tmp"):
-                os.remove(path)            # never completed
-                continue
-            m = _PENDING_RE.match(name)
-            if not m:
-                continue
-            seq = int(m.group(1))
-            if seq in ins or seq in rej:
-                os.remove(path)            # confirmed before the crash; its ledger line made it
-            elif seq not in puts:
-                self._append(f"put {seq}")  # completed, ledger line lost
-                self._completed += 1
-            seen.add(seq)
-        self._next_seq = max(seen) + 1 if seen else 0
+                os.remove(os.path.join(directory, name))       # never completed
+        for seq in state["acked"]:
+            if os.path.exists(self._path(seq)):
+                os.remove(self._path(seq))     # acknowledged before the crash; the file outlived it
+        for seq in sorted(state["held"]):
+            if seq not in state["puts"]:
+                self._append(f"put {seq}")     # completed, its ledger line lost
+            self._sent_epoch[seq] = state["sent"].get(seq, -1)   # -1: never sent
+        self._completed = len(state["completed"])
+        self._sent_once = len(state["sent"])
+        self._next_seq = max(state["completed"]) + 1 if state["completed"] else 0
 
     # --- counters -----------------------------------------------------------------------------
     @property
     def completed(self) -> int:
-        """Rollouts ever put here (this run, all incarnations of the actor)."""
+        """Rollouts ever spooled (this run, all incarnations of the actor)."""
         return self._completed
 
     @property
-    def inserted(self) -> int:
-        """Rollouts confirmed in replay."""
-        return self._inserted
+    def sent_once(self) -> int:
+        """Rollouts handed to replay at least once."""
+        return self._sent_once
 
     @property
-    def rejected(self) -> Dict[str, int]:
-        """Rollouts the writer refused, by reason."""
-        return dict(self._rejected)
+    def acknowledged(self) -> int:
+        """Rollouts the learner acknowledged (forgotten here)."""
+        return self._acked
+
+    @property
+    def held(self) -> int:
+        """Rollouts kept, not yet acknowledged."""
+        with self._lock:
+            return len(self._sent_epoch)
+
+    @property
+    def refused(self) -> Dict[str, int]:
+        """Rollouts refused by validation before spooling, by reason."""
+        return dict(self._refused)
 
     def owed_releases(self) -> int:
-        """Admission slots to return: admitted, minus inserted, minus pending, minus returned
-        (rollouts refused by the writer or lost in generation with a crashed actor)."""
-        pending = len([n for n in os.listdir(self.directory) if _PENDING_RE.match(n)])
-        return max(0, self._admitted - self._inserted - pending - self._released)
+        """Admission slots to return: admitted, minus spooled (a spooled rollout reaches the
+        learner, which credits it if it drops it), minus returned. What is left was refused by
+        validation or lost in generation by a crashed incarnation."""
+        with self._lock:
+            return max(0, self._admitted - self._completed - self._released)
 
+    # --- admission ------------------------------------------------------------------------------
     def asking(self, count: int) -> None:
         """About to ask admission for `count` rollouts."""
         self._append(f"ask {int(count)}")
@@ -149,36 +165,23 @@ class RolloutSpool:
     def admitted(self, granted: int) -> None:
         """Admission granted `granted` rollouts (0 included: it answers the "ask")."""
         self._append(f"adm {int(granted)}")
-        self._admitted += int(granted)
+        with self._lock:
+            self._admitted += int(granted)
 
     def released(self, count: int) -> None:
         """`count` slots were returned to the variable server."""
         if count:
             self._append(f"rel {int(count)}")
-            self._released += int(count)
+            with self._lock:
+                self._released += int(count)
 
-    def pending(self) -> List[Tuple[int, object]]:
-        """(seq, rollout) of every rollout not yet confirmed, oldest first."""
-        out = []
-        for name in sorted(os.listdir(self.directory)):
-            m = _PENDING_RE.match(name)
-            if not m:
-                continue
-            path = os.path.join(self.directory, name)
-            try:
-                with open(path, "rb") as f:
-                    out.append((int(m.group(1)), pickle.load(f)))
-            except Exception as e:  # noqa: BLE001 - unreadable: count it, never insert it
-                logging.warning("RolloutSpool: %s is unreadable (%s); dropped", path, e)
-                self.rejected_seq(int(m.group(1)), "unreadable_spool_file")
-        return out
-
-    # --- events ---------------------------------------------------------------------------------
+    # --- rollouts -------------------------------------------------------------------------------
     def put(self, rollout) -> int:
-        """Keeps a completed rollout; returns its sequence number."""
+        """Keeps a completed rollout; sets and returns its sequence number `rollout.seq`."""
         with self._lock:
             seq = self._next_seq
             self._next_seq += 1
+        rollout.seq = seq
         path = self._path(seq)
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
@@ -187,21 +190,69 @@ class RolloutSpool:
         self._append(f"put {seq}")
         with self._lock:
             self._completed += 1
+            self._sent_epoch[seq] = -1
         return seq
 
-    def inserted_seq(self, seq: int) -> None:
-        """Replay confirmed rollout `seq`: forget it."""
-        self._append(f"ins {seq}")
+    def refuse(self, reason: str) -> None:
+        """Validation refused a rollout before it was spooled (its slot is owed back)."""
+        self._append(f"rej 0 {reason.replace(' ', '_')}")
         with self._lock:
-            self._inserted += 1
-        self._remove(seq)
+            self._refused[reason] += 1
 
-    def rejected_seq(self, seq: int, reason: str) -> None:
-        """The writer refused rollout `seq` (invalid): forget it, counting `reason`."""
-        self._append(f"rej {seq} {reason.replace(' ', '_')}")
+    def sent(self, seqs: List[int], epoch: int) -> int:
+        """`seqs` were handed to replay in loss epoch `epoch`; returns how many of them were
+        sent for the first time."""
+        if not seqs:
+            return 0
+        self._append("\n".join(f"sent {s} {int(epoch)}" for s in seqs))
+        first = 0
         with self._lock:
-            self._rejected[reason] += 1
-        self._remove(seq)
+            for s in seqs:
+                if s in self._sent_epoch:
+                    first += self._sent_epoch[s] < 0
+                    self._sent_epoch[s] = int(epoch)
+            self._sent_once += first
+        return first
+
+    def acknowledge(self, consumed) -> int:
+        """Forgets every held rollout `consumed(seq)` says the learner consumed for good;
+        returns how many."""
+        with self._lock:
+            done = [s for s in self._sent_epoch if consumed(s)]
+            for s in done:
+                del self._sent_epoch[s]
+            self._acked += len(done)
+        if done:
+            self._append("\n".join(f"ack {s}" for s in sorted(done)))
+            for s in done:
+                try:
+                    os.remove(self._path(s))
+                except FileNotFoundError:
+                    pass
+        return len(done)
+
+    def to_send(self, epoch: int) -> List[Tuple[int, object]]:
+        """(seq, rollout) of every held rollout never sent, or sent in a loss epoch before
+        `epoch`, oldest first (unreadable files are logged and skipped)."""
+        with self._lock:
+            seqs = sorted(s for s, e in self._sent_epoch.items() if e < epoch)
+        out = []
+        for seq in seqs:
+            rollout = self.load(seq)
+            if rollout is not None:
+                out.append((seq, rollout))
+        return out
+
+    def load(self, seq: int):
+        path = self._path(seq)
+        try:
+            with open(path, "rb") as f:
+                rollout = pickle.load(f)
+        except Exception as e:  # noqa: BLE001 - a damaged file: keep it, say so
+            logging.warning("RolloutSpool: %s is unreadable (%s); not sent", path, e)
+            return None
+        rollout.seq = seq
+        return rollout
 
     def close(self) -> None:
         if self._ledger is not None:
@@ -210,12 +261,6 @@ class RolloutSpool:
 
     def _path(self, seq: int) -> str:
         return os.path.join(self.directory, f"{seq:012d}.pkl")
-
-    def _remove(self, seq: int) -> None:
-        try:
-            os.remove(self._path(seq))
-        except FileNotFoundError:
-            pass
 
     def _append(self, line: str) -> None:
         os.write(self._ledger, (line + "\n").encode())

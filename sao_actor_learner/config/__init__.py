@@ -36,6 +36,11 @@ SECTIONS = (ProgramConfig, ReplayConfig, ActorConfig, EngineConfig, LearnerConfi
             DatasetConfig, EvalConfig, LaunchConfig)
 
 S = TypeVar("S", bound=Section)
+# Fields of earlier config.json files that no longer exist, and why reading them is harmless.
+REMOVED_FIELDS = {
+    "replay_exactly_once": "exactly-once training is end to end now (actors keep rollouts until "
+                           "the learner acknowledges them); replay is a plain FIFO",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +105,12 @@ class SAOConfig(LaunchConfig, EvalConfig, DatasetConfig, LearnerConfig, EngineCo
 
     @classmethod
     def from_json(cls, text: str) -> "SAOConfig":
-        return cls(**json.loads(text))
+        """A config from `to_json` output, also from earlier versions (REMOVED_FIELDS are
+        ignored)."""
+        fields = json.loads(text)
+        for name in REMOVED_FIELDS:
+            fields.pop(name, None)
+        return cls(**fields)
 
     # Validation ------------------------------------------------------------------------------
     def validate(self) -> None:

@@ -136,8 +136,6 @@ class ReplayConfig(Section):
                                               "only when the replay node stops.")
     replay_checkpoint_dir: str = option("", "Where replay checkpoints go; empty: "
                                         "<run_dir>/checkpoints/replay.")
-    replay_exactly_once: bool = option(True, "The learner removes a rollout from replay only "
-                                       "after its journal has it (a killed learner loses none).")
 
     def check(self, fail: Fail) -> None:
         at_least(self, ("batch_size", "max_sequence_length"), 1, fail)
@@ -209,8 +207,8 @@ class ActorConfig(Section):
                                    "observation.")
     shift_every: int = option(20, "task=online_shift: the reward rule flips every this many "
                               "policy versions.")
-    actor_spool: bool = option(True, "Actors keep each completed rollout on disk until it is "
-                               "delivered (re-inserted after an actor crash).")
+    actor_spool: bool = option(True, "Actors keep each completed rollout on disk until the "
+                               "learner acknowledges it (re-inserted after any crash).")
 
     def check(self, fail: Fail) -> None:
         from sao_actor_learner.latency import parse_latency   # numpy only

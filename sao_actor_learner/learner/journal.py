@@ -15,10 +15,10 @@ the same batches, staleness drops, weights and version numbers (a republished ve
 byte-identical, which the variable server checks). No version number is reused for other
 weights. With no checkpoint yet, the redo starts from the initial weights (version 0).
 
-What can still be lost: with the plain table (`replay_exactly_once=False`), rollouts in transit
-when the learner is killed (replay removed them as it sent them; the journal had not yet
-written them), measured by accounting.py (`lost_in_transit`). With an acknowledged table
-(replay/acked_reader.py, the default) a rollout leaves replay only after the journal has it.
+Rollouts in transit when the learner is killed (replay removed them as it sent them; the journal
+had not yet written them) are not lost: their actors still hold them (they keep every rollout
+until the learner acknowledges it) and re-insert them when the restarted learner starts a new
+loss epoch (learner.py).
 
 Each journal record is one write: a 12-byte header (magic, length, crc32) and the pickled list
 of rollouts. A record torn by a crash mid-write fails its crc and is ignored.
@@ -227,6 +227,14 @@ class JournaledReader(core.RolloutSource):
         return getattr(self._reader, "buffered", 0)
 
     @property
+    def rejected(self) -> dict:
+        return dict(getattr(self._reader, "rejected", {}))
+
+    @property
+    def interruptions(self) -> int:
+        return getattr(self._reader, "interruptions", 0)
+
+    @property
     def sampled(self) -> int:
         return getattr(self._reader, "sampled", 0) + self.replayed
 
@@ -252,11 +260,6 @@ class ResumePoint:
     def resuming(self) -> bool:
         """Whether there is anything to resume from (else a fresh start)."""
         return self.checkpoint is not None or bool(self.replay)
-
-    def replay_keys(self) -> set:
-        """Replay keys of the journalled rollouts (acknowledged tables: replay/acked_reader.py)."""
-        return {r.replay_key for record in self.replay for r in record
-                if getattr(r, "replay_key", None) is not None}
 
     def reader(self, reader: Any) -> JournaledReader:
         """`reader` (or a factory, see JournaledReader) wrapped to journal from here on, after

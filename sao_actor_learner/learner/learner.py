@@ -16,8 +16,16 @@ critic-only steps). Neither bumps the version, so those rollouts stay on-policy,
 rollouts they consume are admission credit (like rollouts dropped as stale), reported as small
 progress messages, never by re-sending weights.
 
+Exactly once, end to end: actors keep every rollout until the learner acknowledges it (the
+acknowledgements travel with each progress report), and re-insert what is not acknowledged when
+the learner reports a new loss epoch: when it starts (what its predecessor had in transit may
+be gone) and when its connection to replay broke (a replay restart). The sampler skips every
+key already consumed, so at-least-once delivery trains each rollout once.
+
 In a learner group every rank runs this loop on its share of each batch; rank 0 alone
-publishes, reports, logs and writes checkpoints. `update(batch)` is the math of steps 2-4 on a
+publishes, reports, logs and writes checkpoints. The ranks exchange the keys of each batch
+before training (a key two ranks drew is kept by the lower rank; the other draws again) and
+after it, so every rank skips what any rank consumed. `update(batch)` is the math of steps 2-4 on a
 collated batch and needs no replay or network: tests drive it directly.
 
 Checkpoints (`save_checkpoint`): checkpoints/step_<version>/ holds the policy as a Hugging Face
@@ -114,6 +122,8 @@ class Learner(core.Worker, core.VariableSource):
         self.resumed_from: Optional[int] = None   # version of the checkpoint resumed from
         self.resume_publish_conflicts = 0         # republished versions the server refused
         self.checkpointed_version: Optional[int] = None
+        self.loss_epoch = 0              # bumped when rollouts in transit may have been lost
+        self._interruptions_seen = 0
         sampler.on_drop = self._on_drop
 
     @property
@@ -177,11 +187,34 @@ class Learner(core.Worker, core.VariableSource):
             return
         with self._report_lock:
             try:
-                self._publisher.report_progress(
+                result = self._publisher.report_progress(
                     version=self.version, dropped_total=self.credit,
-                    trained_total=self.rollouts_trained * self.collective.world_size)
+                    trained_total=self.rollouts_trained,
+                    loss_epoch=self.loss_epoch, acks=self.sampler.consumed.acks())
             except Exception as e:   # the variable server is away (restarting): next time
                 logging.log_every_n_seconds(logging.WARNING, "progress report failed: %s", 30, e)
+                return
+        return result
+
+    def start_loss_epoch(self) -> None:
+        """Starts a new loss epoch (above any the server holds) and reports it: actors re-insert
+        every rollout they still hold that was sent before it."""
+        self.loss_epoch += 1
+        result = self.report_progress()
+        if result is not None and result.loss_epoch >= self.loss_epoch and \
+                result.loss_epoch != self.loss_epoch:
+            self.loss_epoch = result.loss_epoch + 1      # a predecessor got further
+            self.report_progress()
+        logging.info("learner: loss epoch %d", self.loss_epoch)
+
+    def _check_replay_interruptions(self) -> None:
+        """A broken replay stream (replay restarted, or the network): start a loss epoch."""
+        interruptions = self.source.interruptions
+        if interruptions > self._interruptions_seen:
+            self._interruptions_seen = interruptions
+            logging.warning("learner: the replay stream broke (%d times so far): rollouts in "
+                            "transit may be lost; starting a loss epoch", interruptions)
+            self.start_loss_epoch()
 
     def publish(self) -> None:
         """Publishes the current version's weights (rank 0)."""
@@ -237,35 +270,63 @@ class Learner(core.Worker, core.VariableSource):
                 break
         return stats
 
+    def draw(self) -> Tuple[List[Rollout], float, int]:
+        """This rank's rollouts of the next batch, (rollouts, seconds waited, dropped now); in a
+        group no key is drawn by two ranks (see the module docstring)."""
+        rollouts, waited, dropped = self.sampler.sample(self.batch_size, self.version,
+                                                        self._stop)
+        while self.collective.world_size > 1:
+            drawn = self.collective.gather_objects([r.key for r in rollouts])
+            taken = {k for keys in drawn[:self.collective.rank] for k in keys}
+            mine = [r for r in rollouts if r.key not in taken]
+            short = self.collective.max([len(rollouts) - len(mine)])[0]
+            if not short:
+                break
+            self.sampler.duplicates += len(rollouts) - len(mine)
+            more, w, d = self.sampler.sample(self.batch_size - len(mine), self.version,
+                                             self._stop)
+            rollouts, waited, dropped = mine + more, waited + w, dropped + d
+        return rollouts, waited, dropped
+
+    def _share_consumed(self) -> None:
+        """Group: every rank adds every rank's consumed keys (taken and dropped since the last
+        exchange), so duplicates are skipped wherever they arrive."""
+        if self.collective.world_size == 1:
+            return
+        for state in self.collective.gather_objects(self.sampler.consumed.state_dict()):
+            self.sampler.consumed.merge(state)
+
     def step(self) -> Dict[str, float]:
         """One policy step (see the module docstring); {} when stopped before a batch came."""
         t_start = time.time()
         replaying = self.source.replaying
-        rollouts, waited, dropped = self.sampler.sample(self.batch_size, self.version,
-                                                        self._stop)
+        self._check_replay_interruptions()
+        rollouts, waited, dropped = self.draw()
         if not rollouts:
             return {}
         batch = collate(rollouts, self._pad_id)
         stats = self.update(batch)
         trained_version = self.version
         self.version += 1
-        self.rollouts_trained += len(rollouts)
+        self.rollouts_trained += int(self.collective.sum([len(rollouts)])[0])
+        self._share_consumed()
         self.publish()
         self.report_progress()
         elapsed = time.time() - t_start
         stats.update(self._batch_stats(batch, rollouts, trained_version))
-        tokens, trained = self.collective.sum([float(batch.attention_mask.sum()),
-                                               self.rollouts_trained])
+        tokens = self.collective.sum([float(batch.attention_mask.sum())])[0]
         stats.update({
             "step": self.version, "policy_version": self.version,
             "dropped_stale": self.collective_dropped(), "dropped_stale_step": dropped,
             "learner_wait_frac": waited / max(elapsed, 1e-9), "step_time_s": elapsed,
             "samples_per_s": len(rollouts) * self.collective.world_size / max(elapsed, 1e-9),
             "tokens_per_s": tokens / max(elapsed, 1e-9),
-            "queue_size": self.source.queue_size(), "rollouts_trained": int(trained),
+            "queue_size": self.source.queue_size(), "rollouts_trained": self.rollouts_trained,
             "wall_time_s": time.time() - self._start_time,
             "dis_masked_frac": stats.get("masked_frac", 0.0),
             "learners": self.collective.world_size,
+            "loss_epoch": self.loss_epoch,
+            **self._integrity_counters(),
         })
         if self.resumed_from is not None:
             stats.update({"resumed_from": self.resumed_from, "replayed": int(replaying),
@@ -274,6 +335,18 @@ class Learner(core.Worker, core.VariableSource):
         if self.checkpoint_every and self.version % self.checkpoint_every == 0:
             self.save_checkpoint()
         return stats
+
+    def _integrity_counters(self) -> Dict[str, int]:
+        """Group-wide counts of what the learner refused to train on: duplicates (keys already
+        consumed), rollouts from the future, and replay items the reader refused, by reason."""
+        refused = self.source.rejected
+        names = sorted(set().union(*self.collective.gather_objects(sorted(refused))))
+        values = self.collective.sum([self.sampler.duplicates, self.sampler.from_future] +
+                                     [refused.get(n, 0) for n in names])
+        out = {"duplicates_skipped": int(values[0]), "refused_version_from_future": int(values[1])}
+        out.update({f"refused_{n}": int(v) for n, v in zip(names, values[2:])})
+        out["refused_total"] = sum(v for k, v in out.items() if k.startswith("refused_"))
+        return out
 
     def _batch_stats(self, batch: Batch, rollouts: Sequence[Rollout],
                      version: int) -> Dict[str, float]:
@@ -300,8 +373,9 @@ class Learner(core.Worker, core.VariableSource):
 
     def run(self) -> None:
         self._start_time = time.time()
+        self._interruptions_seen = self.source.interruptions
+        self.start_loss_epoch()   # a predecessor's rollouts in transit may be lost
         self.publish()   # version 0: the warm start (or the version resumed from)
-        self.report_progress()
         if not self.pretrain_done:
             if self.pretrain_steps:
                 self.pretrain_value()
@@ -322,8 +396,13 @@ class Learner(core.Worker, core.VariableSource):
             "version": self.version, "policy": self.policy_trainer.state_dict(),
             "estimator": self.estimator.state_dict(), "sampler": self.sampler.state_dict(),
             "critic_only_steps": self.critic_only_steps, "warmup_done": self.warmup_done,
+            "loss_epoch": self.loss_epoch,
             "consumed_without_version": self.consumed_without_version,
             "rollouts_trained": self.rollouts_trained, "pretrain_done": self.pretrain_done,
+            # The group's totals (rank 0's sampler state counts only its own share).
+            "group_totals": dict(zip(("dropped", "from_future", "duplicates"), map(int, (
+                self.collective.sum([self.sampler.dropped, self.sampler.from_future,
+                                     self.sampler.duplicates]))))),
             # For accounting: rollouts taken from replay that no step has used yet.
             "reader_buffered": self.source.buffered,
             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
@@ -338,6 +417,7 @@ class Learner(core.Worker, core.VariableSource):
         self.version = int(state["version"])
         self.critic_only_steps = int(state.get("critic_only_steps", 0))
         self.warmup_done = int(state.get("warmup_done", 0))
+        self.loss_epoch = int(state.get("loss_epoch", 0))
         self.consumed_without_version = int(state.get("consumed_without_version", 0))
         self.rollouts_trained = int(state["rollouts_trained"])
         self.pretrain_done = bool(state.get("pretrain_done", self.version > 0))

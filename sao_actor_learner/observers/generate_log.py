@@ -56,11 +56,10 @@ def make_actor_with_generate_log(config, actor_id, replay_address, variables_add
                                  run_dir=None, **kwargs):
     """builder.make_actor, with a GenerateLogEngine around the actor's engine."""
     from sao_actor_learner import builder
-    actor = builder.make_actor(config, actor_id, replay_address, variables_address, run_dir,
-                               **kwargs)
     path = os.path.join(run_dir or config.run_dir, f"{LOG_PREFIX}{actor_id}.jsonl")
-    actor._engine = GenerateLogEngine(actor._engine, path)
-    return actor
+    return builder.make_actor(config, actor_id, replay_address, variables_address, run_dir,
+                              wrap_engine=lambda engine: GenerateLogEngine(engine, path),
+                              **kwargs)
 
 
 def make_program_with_generate_log(config, **kwargs):

@@ -17,22 +17,30 @@ rollouts/s, decoded; a bare Reverb sampler streaming undecoded items ~16-20k/s; 
 Decoded rollouts have the exact dtypes of types.py; per-token columns are cut back from the
 writer's padding to the `length` column (views into the sampled arrays, not copies).
 
+Trust: with a `verifier` (replay/validation.py) every item is checked as it arrives (columns,
+dtypes, lengths, vocabulary range, finite log-probs, versions, and the run's signature); a bad
+one is dropped there and counted in `rejected` by reason: it never reaches `on_fetched`, the
+learner's journal or a batch. Anything can reach an unauthenticated Reverb port.
+
 `queue_size()` raises TimeoutError when the server does not answer within 1 s; `sample` treats an
 unreachable server as an empty table: it logs and returns [] (after at least 1 s, the shortest
-`ServerInfo` timeout).
+`ServerInfo` timeout). A fetch that fails (the server went away mid-stream, items in transit
+may be lost) counts in `interruptions` and raises from the next `sample`; so does a server that
+answers again after a gap (it may have restarted and lost its queue).
 """
 from __future__ import annotations
 
 import collections
 import threading
 import time
-from typing import Any, Callable, Deque, List, Optional, Sequence, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 from absl import logging
 
 from sao_actor_learner.replay.tables import (DEFAULT_TABLE, FLAT_COLUMN_ORDER, LENGTH_COLUMN,
                                              connect, table_status)
+from sao_actor_learner.replay.validation import REJECT_REASONS, RolloutVerifier
 from sao_actor_learner.types import SCALAR_COLUMNS, TOKEN_COLUMNS, Rollout
 
 # Reverb's sampler returns (key, probability, table_size, priority, times_sampled) before the data.
@@ -67,10 +75,12 @@ class RolloutReader:
         replay (which has already removed it), before `sample` can return it; the learner's
         journal records it there (learner/journal.py), leaving only the transfer itself as the
         window in which a killed learner loses rollouts.
+      verifier: checks every item (see the module docstring); None: trusted input (decode_item).
     """
 
     def __init__(self, client_or_address: Union[str, Any], table: str = DEFAULT_TABLE,
-                 on_fetched: Optional[Callable[[Rollout], None]] = None):
+                 on_fetched: Optional[Callable[[Rollout], None]] = None,
+                 verifier: Optional[RolloutVerifier] = None):
         self._client = connect(client_or_address)
         self._table = table
         self._on_fetched = on_fetched
@@ -80,7 +90,17 @@ class RolloutReader:
         self._error: Optional[BaseException] = None
         self._closed = False
         self._thread: Optional[threading.Thread] = None
+        self._verifier = verifier
+        self._rejected: Dict[str, int] = collections.Counter()
+        self.interruptions = 0     # fetches that failed mid-stream, and gaps of unreachability
+        self._unreachable = False
         self.sampled = 0           # rollouts returned by sample()
+
+    @property
+    def rejected(self) -> Dict[str, int]:
+        """Items refused by the verifier, by reason (REJECT_REASONS); a copy."""
+        with self._cond:
+            return dict(self._rejected)
 
     @property
     def buffered(self) -> int:
@@ -138,13 +158,19 @@ class RolloutReader:
 
     def _available(self) -> int:
         try:
-            return table_status(self._client, self._table)[0]
+            size = table_status(self._client, self._table)[0]
         except KeyError:
             raise
         except Exception as e:  # unreachable or restarting server: report empty, retry
             logging.log_every_n(logging.WARNING, "RolloutReader: replay at %s unreachable: %s",
                                 100, self._client.server_address, e)
+            self._unreachable = True
             return 0
+        if self._unreachable:   # back after a gap: it may have restarted, losing its items
+            self._unreachable = False
+            with self._cond:
+                self.interruptions += 1
+        return size
 
     def _submit(self, k: int) -> None:
         with self._cond:
@@ -177,7 +203,10 @@ class RolloutReader:
                 raw_client = self._client._client  # pylint: disable=protected-access
                 sampler = raw_client.NewSampler(self._table, k, k)
                 for _ in range(k):
-                    rollout = decode_item(sampler.GetNextTrajectory()[_NUM_INFO_TENSORS:])
+                    flat = sampler.GetNextTrajectory()[_NUM_INFO_TENSORS:]
+                    rollout = self._decode(flat)
+                    if rollout is None:
+                        continue
                     if self._on_fetched is not None:
                         self._on_fetched(rollout)
                     with self._cond:
@@ -190,10 +219,25 @@ class RolloutReader:
             except Exception as e:  # handed to the caller by the next sample()
                 with self._cond:
                     self._error = e
+                    self.interruptions += 1
             finally:
                 with self._cond:
                     self._request = 0
                     self._cond.notify_all()
+
+    def _decode(self, flat) -> Optional[Rollout]:
+        """The item as a Rollout, or None (refused, counted)."""
+        if self._verifier is None:
+            return decode_item(flat)
+        rollout, reason = self._verifier.decode(flat)
+        if reason is not None:
+            with self._cond:
+                self._rejected[reason] += 1
+                n = self._rejected[reason]
+            if n & (n - 1) == 0:   # the 1st, 2nd, 4th, ... of each reason
+                logging.warning("RolloutReader: refused a replay item: %s: %s [%d so far]",
+                                reason, REJECT_REASONS[reason], n)
+        return rollout
 
     def close(self) -> None:
         """Stops the fetch thread. Buffered rollouts (taken from the table) are dropped."""

@@ -29,10 +29,14 @@ DEFAULT_TABLE = "rollouts"
 # The extra column holding the unpadded length of the per-token columns.
 LENGTH_COLUMN = "length"
 LENGTH_DTYPE = np.int32
+# The item's HMAC-SHA256 under the run's secret (replay/validation.py): [32] uint8.
+SIGNATURE_COLUMN = "signature"
 
 # Every column of an item and its dtype.
-ITEM_COLUMNS: Tuple[str, ...] = TOKEN_COLUMNS + SCALAR_COLUMNS + (LENGTH_COLUMN,)
-ITEM_DTYPES: Dict[str, Any] = {**TOKEN_DTYPES, **SCALAR_DTYPES, LENGTH_COLUMN: LENGTH_DTYPE}
+ITEM_COLUMNS: Tuple[str, ...] = TOKEN_COLUMNS + SCALAR_COLUMNS + (LENGTH_COLUMN,
+                                                                  SIGNATURE_COLUMN)
+ITEM_DTYPES: Dict[str, Any] = {**TOKEN_DTYPES, **SCALAR_DTYPES, LENGTH_COLUMN: LENGTH_DTYPE,
+                               SIGNATURE_COLUMN: np.uint8}
 
 # The order in which a sampled item's columns come back: Reverb flattens the item's structure
 # (a dict) with dm-tree, which sorts dict keys.
@@ -42,8 +46,6 @@ FLAT_COLUMN_ORDER: Tuple[str, ...] = tuple(sorted(ITEM_COLUMNS))
 # timeout it waits forever for an unreachable server).
 SERVER_INFO_TIMEOUT_S = 1
 
-# Samples per rollout in an acknowledged table (issue 7; 4 since issue 8: acked_reader.py).
-ACK_TIMES_SAMPLED = 4
 
 
 def rollouts_signature() -> Dict[str, Any]:
@@ -55,45 +57,32 @@ def rollouts_signature() -> Dict[str, Any]:
     spec.update({name: tf.TensorSpec([], tf.as_dtype(SCALAR_DTYPES[name]), name=name)
                  for name in SCALAR_COLUMNS})
     spec[LENGTH_COLUMN] = tf.TensorSpec([], tf.as_dtype(LENGTH_DTYPE), name=LENGTH_COLUMN)
+    spec[SIGNATURE_COLUMN] = tf.TensorSpec([32], tf.uint8, name=SIGNATURE_COLUMN)
     return spec
 
 
-def make_rollouts_table(queue_capacity: int, name: str = DEFAULT_TABLE,
-                        acknowledged: bool = False):
+def make_rollouts_table(queue_capacity: int, name: str = DEFAULT_TABLE):
     """A `reverb.Table` that is a bounded FIFO queue of rollouts.
 
-    Fifo sampler and remover, `max_times_sampled=1` (each rollout is trained on once), and a
+    Fifo sampler and remover, `max_times_sampled=1` (each item is sampled once), and a
     `Queue(queue_capacity)` rate limiter: inserts block while `queue_capacity` rollouts are queued,
     samples block while the table is empty. The signature makes the `TrajectoryWriter` check every
-    item's dtypes and shapes before it is sent.
-
-    acknowledged=True (issue 7, exactly-once consumption): every rollout is sampled
-    ACK_TIMES_SAMPLED (4) times, by one consumer (replay/acked_reader.py): a first sample to
-    read it (it stays, at the head), the last, once the consumer has it durably, removes it
-    (4 rather than 2 so that one Reverb sampler stream can serve a whole read: issue 8, see
-    acked_reader.py). `max_times_sampled=4` and a rate limiter counting 4 samples per insert
-    (`RateLimiter(4, 1, 0, 4 * queue_capacity)`), which keeps the same bound: inserts wait while
-    `queue_capacity` rollouts are queued. A consumer that dies before the last sample leaves the
-    rollout at the head for the next one.
+    item's dtypes and shapes before it is sent. An item the learner never trains (lost in a
+    crash, or a replay node's restart) is still in its actor's spool: the actor re-inserts it
+    when the learner reports a loss epoch (end-to-end acknowledgement, actors/spool.py).
     """
     if not isinstance(queue_capacity, (int, np.integer)) or queue_capacity < 1:
         raise ValueError(f"queue_capacity={queue_capacity!r}: must be an int >= 1 (the most "
                          "rollouts that may wait in replay; SAOConfig uses 2*batch_size)")
     import reverb
 
-    if acknowledged:
-        rate_limiter = reverb.rate_limiters.RateLimiter(
-            samples_per_insert=ACK_TIMES_SAMPLED, min_size_to_sample=1, min_diff=0,
-            max_diff=ACK_TIMES_SAMPLED * int(queue_capacity))
-    else:
-        rate_limiter = reverb.rate_limiters.Queue(int(queue_capacity))
     return reverb.Table(
         name=name,
         sampler=reverb.selectors.Fifo(),
         remover=reverb.selectors.Fifo(),
         max_size=int(queue_capacity),
-        rate_limiter=rate_limiter,
-        max_times_sampled=ACK_TIMES_SAMPLED if acknowledged else 1,
+        rate_limiter=reverb.rate_limiters.Queue(int(queue_capacity)),
+        max_times_sampled=1,
         signature=rollouts_signature(),
     )
 
@@ -193,8 +182,7 @@ class ReplayServer(core.Worker):
     """
 
     def __init__(self, queue_capacity: int, port: int = 0, checkpoint_dir: Optional[str] = None,
-                 *, table_name: str = DEFAULT_TABLE, checkpoint_every_s: float = 0.0,
-                 acknowledged: bool = False):
+                 *, table_name: str = DEFAULT_TABLE, checkpoint_every_s: float = 0.0):
         if not isinstance(queue_capacity, (int, np.integer)) or queue_capacity < 1:
             raise ValueError(f"queue_capacity={queue_capacity!r}: must be an int >= 1")
         if port < 0 or port > 65535:
@@ -208,7 +196,6 @@ class ReplayServer(core.Worker):
         self.table_name = table_name
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every_s = float(checkpoint_every_s)
-        self.acknowledged = bool(acknowledged)   # see make_rollouts_table (issue 7)
         if not port:
             import portpicker  # a Reverb dependency; no TensorFlow
 
@@ -241,8 +228,7 @@ class ReplayServer(core.Worker):
             checkpointer = None
             if self.checkpoint_dir:
                 checkpointer = reverb.checkpointers.DefaultCheckpointer(path=self.checkpoint_dir)
-            table = make_rollouts_table(self.queue_capacity, self.table_name,
-                                        acknowledged=self.acknowledged)
+            table = make_rollouts_table(self.queue_capacity, self.table_name)
             t0 = time.time()
             self._server = reverb.Server(tables=[table], port=self._port,
                                          checkpointer=checkpointer)

@@ -8,7 +8,7 @@ gRPC stream per item. So this writer keeps one long-lived `TrajectoryWriter` per
 per-token columns to the bucket (< 25% more tokens; Reverb's compression shrinks the zeros) and
 stores the true length in the `length` column, which the reader cuts back to.
 
-Batches (issue 8). `write_many(rollouts, timeout_s)` inserts an actor's whole generation with the
+Batches. `write_many(rollouts, timeout_s)` inserts an actor's whole generation with the
 guarantees below: one free-slot check (the batch goes out whole while the table has room for it
 twice over; nearer full, one rollout per check, as `write`), every rollout of the group padded to
 the group's longest bucket and appended to that one bucket writer (so they land in order), one
@@ -32,23 +32,22 @@ then:
 
 * `write` returns False when the table stayed full (or the server unreachable) until `timeout_s`:
   nothing was sent, so the caller may write the same rollout again later without a duplicate.
-* `write` returns True once the server confirms the insert. When several writers see the same
-  free slot, the ones that lose the race have their item wait in the server's rate limiter; it
-  lands in order when the learner samples. Their `write` returns True after `timeout_s` (+50 ms
-  at most) anyway (the item has been handed over and must not be sent again) and counts it in
-  `unconfirmed` (and `last_write_confirmed` is False: `take_landed` reports when it lands, for a
-  caller that keeps a copy until then); that bucket gets a fresh `TrajectoryWriter` so later
-  items do not queue behind it, and the writer counts its own waiting items as occupied slots in
-  later checks. The table itself never holds more than its capacity; about one more rollout per
-  writer may wait at the server, briefly (a whole `write_many` batch only if more than two
-  writers race for a table with room for two batches). `write_many` reports this per rollout:
-  `WriteResult.confirmed`, `.ticket`.
+* `write` returns True once the item is handed over. When several writers see the same free
+  slot, the ones that lose the race have their item wait in the server's rate limiter; it lands
+  in order when the learner samples (even after this writer is closed). `write` returns True
+  after `timeout_s` (+50 ms at most) anyway: the item must not be sent again (callers that keep
+  a copy, the actor's spool, keep it until the learner acknowledges it, end to end). That
+  bucket gets a fresh `TrajectoryWriter` so later items do not queue behind it, and the writer
+  counts its own waiting items as occupied slots in later checks (`unconfirmed` counts them).
+  The table itself never holds more than its capacity.
 * An unreachable server is polled like a full table; `ServerInfo` takes whole seconds of timeout,
   so `write` then returns False up to ~1 s after `timeout_s`.
 
-Validation runs before anything is sent; a bad rollout is never inserted, `write` returns False
-(`write_many`: `WriteResult.rejected` names the reason) and counts the reason in `rejected` (see
-REJECT_REASONS), and never raises for bad data.
+Validation (replay/validation.py) runs before anything is sent; a bad rollout is never inserted,
+`write` returns False (`write_many`: `WriteResult.rejected` names the reason) and counts the
+reason in `rejected` (see REJECT_REASONS), and never raises for bad data. With a `signer` every
+item carries the HMAC of its columns (the `signature` column), which the learner's reader checks;
+without one the signature is zeros (a reader that checks refuses such items).
 
 One `RolloutWriter` per actor; `write` and `write_many` are serialised by a lock, so sharing one
 is safe but slow.
@@ -64,33 +63,12 @@ import numpy as np
 from absl import logging
 
 from sao_actor_learner.replay.tables import (DEFAULT_TABLE, FLAT_COLUMN_ORDER, LENGTH_COLUMN,
-                                             LENGTH_DTYPE, SERVER_INFO_TIMEOUT_S, connect,
-                                             table_status)
-from sao_actor_learner.types import (SCALAR_COLUMNS, SCALAR_DTYPES, TOKEN_COLUMNS, TOKEN_DTYPES,
-                                     Rollout)
-
-# Why a rollout was refused, and what to change. Exactly one reason (the first that applies, in
-# this order) is counted per refused rollout.
-REJECT_REASONS: Dict[str, str] = {
-    "malformed": "a column is missing, not 1-D, or not convertible to its dtype in types.py: "
-                 "build rollouts with the Rollout dataclass",
-    "empty": "the rollout has no tokens",
-    "length_mismatch": "per-token columns (tokens, action_mask, rollout_logp, versions, rewards) "
-                       "must all have the same length",
-    "too_long": "the rollout is longer than max_sequence_length: raise "
-                "SAOConfig.max_sequence_length or cut episodes shorter (max_new_tokens, turns)",
-    "bad_action_mask": "action_mask values must be 0 or 1",
-    "no_action_tokens": "no token has action_mask == 1: nothing to train on",
-    "action_at_position_0": "action_mask[0] is 1, but token 0 has no preceding position to predict "
-                            "it from (types.py: position 0 is never an action)",
-    "token_out_of_range": "a token id is outside [0, vocab_size): check that vocab_size matches "
-                          "the engine's tokenizer",
-    "nonfinite_logp": "rollout_logp is NaN or inf on an action token: the engine's log-probs are "
-                      "broken (temperature 0? overflow?)",
-    "negative_version": "versions < 0 on an action token: the engine must tag every sampled token "
-                        "with the policy version that sampled it",
-    "nonfinite_reward": "rewards contain NaN or inf",
-}
+                                             LENGTH_DTYPE, SERVER_INFO_TIMEOUT_S,
+                                             SIGNATURE_COLUMN, connect, table_status)
+from sao_actor_learner.replay.validation import (REJECT_REASONS, SIGNATURE_BYTES,  # noqa: F401
+                                                 RolloutSigner, check_columns, rollout_columns)
+from sao_actor_learner import core
+from sao_actor_learner.types import TOKEN_COLUMNS, Rollout
 
 # After sending, wait at least this long for the server's confirmation even if timeout_s is spent.
 _MIN_CONFIRM_S = 0.05
@@ -103,21 +81,19 @@ _MIN_BUCKET = 16
 class WriteResult(NamedTuple):
     """What `RolloutWriter.write_many` did with one rollout.
 
-    inserted: handed to replay; never send it again.
-    confirmed: replay confirmed it before `write_many` returned. An inserted, unconfirmed one
-      waits in replay's rate limiter (another writer took its slot) and lands later: its
-      `ticket` comes back from `take_landed` then.
-    ticket: the insert's ticket (as `last_ticket` for `write`); -1 if not inserted.
+    inserted: handed to replay (it lands, possibly after waiting in the rate limiter); never
+      send it again unless it is lost.
+    confirmed: replay confirmed it before `write_many` returned; an inserted, unconfirmed one
+      waits in replay's rate limiter (another writer took its slot) and lands later.
     rejected: the REJECT_REASONS key if validation refused it, else None. Neither inserted nor
       rejected: the table stayed full until the timeout and nothing was sent; write it again.
     """
     inserted: bool
     confirmed: bool
-    ticket: int
     rejected: Optional[str]
 
 
-NOT_SENT = WriteResult(False, False, -1, None)
+NOT_SENT = WriteResult(False, False, None)
 
 
 def bucket_lengths(max_sequence_length: int, per_octave: int = 4,
@@ -134,7 +110,7 @@ def bucket_lengths(max_sequence_length: int, per_octave: int = 4,
     return sorted(set(out))
 
 
-class RolloutWriter:
+class RolloutWriter(core.RolloutSink):
     """Validates rollouts and inserts each as one replay item (see the module doc).
 
     Args:
@@ -144,11 +120,12 @@ class RolloutWriter:
       vocab_size: token ids must lie in [0, vocab_size).
       buckets_per_octave: length buckets per doubling (padding < 1/buckets_per_octave of the
         tokens; each bucket in use holds one Reverb writer and its gRPC stream).
+      signer: a RolloutSigner (the run's secret) for the items' signatures; None: zeros.
     """
 
     def __init__(self, client_or_address: Union[str, Any], table: str = DEFAULT_TABLE,
                  max_sequence_length: int = 0, vocab_size: int = 0, *,
-                 buckets_per_octave: int = 4):
+                 buckets_per_octave: int = 4, signer: Optional[RolloutSigner] = None):
         if max_sequence_length < 1:
             raise ValueError(f"max_sequence_length={max_sequence_length}: must be >= 1 (pass "
                              "SAOConfig.max_sequence_length)")
@@ -162,13 +139,10 @@ class RolloutWriter:
         if buckets_per_octave < 1:
             raise ValueError(f"buckets_per_octave={buckets_per_octave}: must be >= 1")
         self._buckets = np.asarray(bucket_lengths(self.max_sequence_length, buckets_per_octave))
+        self._signer = signer
         self._writers: Dict[int, Any] = {}   # bucket length -> reverb.TrajectoryWriter
         self._retired: List[Any] = []        # writers with an unconfirmed item, until it lands
-        self._retired_tickets: List[List[int]] = []  # the tickets of each one's waiting items
-        self._landed: List[int] = []         # tickets of unconfirmed items since confirmed
-        self._tickets = 0                    # tickets handed out (one per `write` that sent)
-        self.last_ticket = -1                # the ticket of the last `write` that sent its item
-        self.last_write_confirmed = False    # whether it was confirmed before `write` returned
+        self._retired_waiting: List[int] = []  # how many items each one still waits for
         self._rejected: collections.Counter = collections.Counter()
         self._inserted = 0
         self._timeouts = 0
@@ -198,51 +172,33 @@ class RolloutWriter:
         returned (another writer took the free slot first); they land in order."""
         return self._unconfirmed
 
-    def take_landed(self) -> List[int]:
-        """Tickets (`last_ticket` of their `write`) of items that were unconfirmed when their
-        `write` returned and have since landed in replay; each ticket is returned once.
-
-        An item is *confirmed* once replay has it; until then a caller that keeps a durable copy
-        (the actor's spool) must keep it: should the actor stop first, the item may never land
-        (at the end of a run nothing frees the slot it waits for)."""
-        with self._lock:
-            if self._retired and not self._closed:
-                self._reap_retired()
-            landed, self._landed = self._landed, []
-            return landed
-
     def stats(self) -> Dict[str, Any]:
         return {"inserted": self._inserted, "timeouts": self._timeouts,
                 "unconfirmed": self._unconfirmed, "rejected": self.rejected}
 
     # --- writing ----------------------------------------------------------------------------------
+    # --- core.RolloutSink --------------------------------------------------------------------
+    def check(self, rollout: Rollout) -> Optional[str]:
+        """None when `rollout` passes validation, else the reason (nothing counted)."""
+        return check_columns(rollout_columns(rollout), self.vocab_size,
+                             self.max_sequence_length)[1]
+
+    def send(self, rollouts: Sequence[Rollout], timeout_s: float) -> List[bool]:
+        """`write_many`, per rollout whether it went (a refused one counts as not sent)."""
+        return [result.inserted for result in self.write_many(rollouts, timeout_s)]
+
     def write(self, rollout: Rollout, timeout_s: float) -> bool:
         """Inserts `rollout` as one item; True once inserted (see the module doc).
 
         False if it was rejected (counted in `rejected`) or the table stayed full for `timeout_s`
         (counted in `timeouts`); in both cases nothing was sent and the writer stays usable.
         """
-        deadline = time.monotonic() + max(0.0, float(timeout_s))
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("RolloutWriter.write() after close()")
-            columns, reason = self.validate(rollout)
-            if reason is not None:
-                self._reject(reason, rollout)
-                return False
-            if not self._wait_for_free_slot(deadline):
-                self._timeouts += 1
-                return False
-            self.last_ticket = self._tickets
-            self._tickets += 1
-            self.last_write_confirmed = self._send(columns, deadline)
-            self._inserted += 1
-            return True
+        return self.write_many([rollout], timeout_s)[0].inserted
 
     def write_many(self, rollouts: Sequence[Rollout], timeout_s: float) -> List[WriteResult]:
         """Inserts `rollouts` in order with the guarantees of `write`, one `WriteResult` each.
 
-        Issue 8: one free-slot check and one confirmation round trip per group of rollouts that
+        One free-slot check and one confirmation round trip per group of rollouts that
         fits in the table's free slots (usually the whole batch), instead of one of each per
         rollout. Invalid rollouts are rejected (nothing sent, counted in `rejected`). The valid
         ones are sent in order: all at once while the table has room for them twice over, else
@@ -251,7 +207,6 @@ class RolloutWriter:
         or `timeout_s` passes; those not sent by then were not sent at all (counted in
         `timeouts`): write them again later, no duplicate. The rollouts of one group are padded
         to the group's longest bucket and go through one Reverb writer, so they land in order.
-        `last_ticket` / `last_write_confirmed` describe the last rollout sent.
         """
         deadline = time.monotonic() + max(0.0, float(timeout_s))
         with self._lock:
@@ -265,7 +220,7 @@ class RolloutWriter:
                     valid.append((i, columns))
                 else:
                     self._reject(reason, rollout)
-                    results[i] = WriteResult(False, False, -1, reason)
+                    results[i] = WriteResult(False, False, reason)
             sent = 0
             while sent < len(valid):
                 free = int(self._wait_for_free_slot(deadline))
@@ -276,60 +231,26 @@ class RolloutWriter:
                 # lost race leaves one rollout waiting in the rate limiter, not a batch.
                 left = len(valid) - sent
                 group = valid[sent:sent + (left if free >= 2 * left else 1)]
-                first = self._tickets
-                self._tickets += len(group)
-                confirmed = self._send_group([columns for _, columns in group], first, deadline)
-                for k, ((i, _), ok) in enumerate(zip(group, confirmed)):
-                    results[i] = WriteResult(True, ok, first + k, None)
+                confirmed = self._send_group([columns for _, columns in group], deadline)
+                for (i, _), ok in zip(group, confirmed):
+                    results[i] = WriteResult(True, ok, None)
                 self._inserted += len(group)
                 sent += len(group)
-                self.last_ticket, self.last_write_confirmed = self._tickets - 1, confirmed[-1]
                 if not confirmed[-1]:
                     break   # the deadline passed waiting for this group: send no more now
             self._timeouts += len(valid) - sent
             return results
 
     def validate(self, rollout: Rollout) -> Tuple[Optional[Dict[str, np.ndarray]], Optional[str]]:
-        """(columns with exact dtypes, None) for a valid rollout, else (None, reason)."""
-        try:
-            cols = {name: _as_dtype(getattr(rollout, name), TOKEN_DTYPES[name])
-                    for name in TOKEN_COLUMNS}
-            for name in SCALAR_COLUMNS:
-                value = _as_dtype(getattr(rollout, name), SCALAR_DTYPES[name])
-                if value.shape != ():
-                    return None, "malformed"
-                cols[name] = value
-        except (AttributeError, TypeError, ValueError, OverflowError):
-            return None, "malformed"
-        if any(cols[name].ndim != 1 for name in TOKEN_COLUMNS):
-            return None, "malformed"
-        length = cols["tokens"].shape[0]
-        if length == 0:
-            return None, "empty"
-        if any(cols[name].shape[0] != length for name in TOKEN_COLUMNS):
-            return None, "length_mismatch"
-        if length > self.max_sequence_length:
-            return None, "too_long"
-        # Each check is one or two whole-array reductions; masks are built only on the slow path.
-        mask = cols["action_mask"]
-        if mask.view(np.uint8).max() > 1:  # int8 -1 reads as 255
-            return None, "bad_action_mask"
-        if not mask.any():
-            return None, "no_action_tokens"
-        if mask[0]:
-            return None, "action_at_position_0"
-        tokens = cols["tokens"]
-        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
-            return None, "token_out_of_range"
-        act = mask.view(np.bool_)  # values are 0/1 (checked above): a free boolean view
-        logp = cols["rollout_logp"]
-        if not _all_finite(logp) and not np.isfinite(logp[act]).all():
-            return None, "nonfinite_logp"
-        if cols["versions"].min(where=act, initial=0) < 0:
-            return None, "negative_version"
-        if not _all_finite(cols["rewards"]):
-            return None, "nonfinite_reward"
-        cols[LENGTH_COLUMN] = np.asarray(length, dtype=LENGTH_DTYPE)
+        """(the item's columns, None) for a valid rollout, else (None, reason): the checks of
+        replay/validation.py, then the true length and the signature."""
+        cols, reason = check_columns(rollout_columns(rollout), self.vocab_size,
+                                     self.max_sequence_length)
+        if reason is not None:
+            return None, reason
+        cols[SIGNATURE_COLUMN] = self._signer.signature(cols) if self._signer is not None \
+            else np.zeros(SIGNATURE_BYTES, np.uint8)
+        cols[LENGTH_COLUMN] = np.asarray(cols["tokens"].shape[0], dtype=LENGTH_DTYPE)
         return cols, None
 
     def _reject(self, reason: str, rollout: Any) -> None:
@@ -371,18 +292,12 @@ class RolloutWriter:
     def _bucket(self, length: int) -> int:
         return int(self._buckets[np.searchsorted(self._buckets, length)])
 
-    def _send(self, columns: Dict[str, np.ndarray], deadline: float) -> bool:
-        """Sends one item; True once replay confirmed it, False if it waits in the rate limiter
-        (its writer is retired with `last_ticket` until it lands: `take_landed`)."""
-        return self._send_group([columns], self.last_ticket, deadline)[0]
-
-    def _send_group(self, group: List[Dict[str, np.ndarray]], first_ticket: int,
-                    deadline: float) -> List[bool]:
-        """Sends the items of `group` (tickets first_ticket, first_ticket + 1, ...) through the
-        writer of the longest one's bucket, padded to it, then waits once for their confirmation
-        (until the deadline, at least _MIN_CONFIRM_S). Returns, per item, whether replay
-        confirmed it; the unconfirmed ones (always the last ones: one stream lands its items in
-        order) keep their writer alive, retired, until they land (`take_landed`)."""
+    def _send_group(self, group: List[Dict[str, np.ndarray]], deadline: float) -> List[bool]:
+        """Sends the items of `group` through the writer of the longest one's bucket, padded to
+        it, then waits once for their confirmation (until the deadline, at least
+        _MIN_CONFIRM_S). Returns, per item, whether replay confirmed it; the unconfirmed ones
+        (always the last ones: one stream lands its items in order) keep their writer alive,
+        retired, until they land, and later items use a fresh one."""
         import reverb
 
         bucket = self._bucket(max(int(columns[LENGTH_COLUMN]) for columns in group))
@@ -396,13 +311,12 @@ class RolloutWriter:
             wait_s = max(deadline - time.monotonic(), _MIN_CONFIRM_S)
             writer.flush(timeout_ms=int(wait_s * 1000))
         except reverb.errors.DeadlineExceededError:
-            # Another writer took the slot: the item waits in the server's rate limiter and will
-            # land. Keep this writer alive until it does; later items use a fresh one.
+            # Another writer took the slot: the items wait in the server's rate limiter and will
+            # land. Keep this writer alive until they do; later items use a fresh one.
             waiting = _waiting_items(writer, len(group))
             self._writers.pop(bucket, None)
             self._retired.append(writer)
-            self._retired_tickets.append(
-                list(range(first_ticket + len(group) - waiting, first_ticket + len(group))))
+            self._retired_waiting.append(waiting)
             self._unconfirmed += waiting
             logging.log_every_n(logging.WARNING, "RolloutWriter: insert not yet confirmed after "
                                 "the timeout (another writer took the free slot); it waits in "
@@ -431,7 +345,7 @@ class RolloutWriter:
 
     def _retired_pending(self) -> int:
         """Our items still waiting in replay's rate limiter."""
-        return sum(len(tickets) for tickets in self._retired_tickets)
+        return sum(self._retired_waiting)
 
     def _reap_retired(self) -> None:
         """Closes retired writers whose items have landed."""
@@ -439,20 +353,18 @@ class RolloutWriter:
             return
         import reverb
 
-        keep, keep_tickets = [], []
-        for writer, tickets in zip(self._retired, self._retired_tickets):
+        keep, keep_waiting = [], []
+        for writer, waiting in zip(self._retired, self._retired_waiting):
             try:
                 writer.flush(timeout_ms=1)  # not 0: Reverb reads timeout_ms=0 as "no timeout"
             except reverb.errors.DeadlineExceededError:
                 keep.append(writer)  # still waiting in the rate limiter
-                keep_tickets.append(tickets)
+                keep_waiting.append(waiting)
                 continue
             except Exception as e:  # the stream broke (server gone): never confirmed
                 logging.warning("RolloutWriter: an unconfirmed insert failed: %s", e)
-            else:
-                self._landed.extend(tickets)
             _close_quietly(writer)
-        self._retired, self._retired_tickets = keep, keep_tickets
+        self._retired, self._retired_waiting = keep, keep_waiting
 
     def close(self) -> None:
         """Closes the Reverb writers. Items already confirmed stay in replay."""
@@ -469,7 +381,7 @@ class RolloutWriter:
             for writer in list(self._writers.values()) + self._retired:
                 _close_quietly(writer)
             self._writers.clear()
-            self._retired, self._retired_tickets = [], []
+            self._retired, self._retired_waiting = [], []
 
     def __enter__(self) -> "RolloutWriter":
         return self
@@ -507,28 +419,6 @@ def _waiting_items(writer: Any, sent: int) -> int:
         except reverb.errors.DeadlineExceededError:
             continue
     return sent
-
-
-def _as_dtype(value: Any, dtype) -> np.ndarray:
-    """`value` as an array of `dtype`; raises ValueError if the conversion changes a value."""
-    array = np.asarray(value)
-    if array.dtype == dtype:
-        return array
-    if array.dtype == object:
-        raise ValueError("object array")
-    converted = array.astype(dtype)
-    if np.dtype(dtype).kind in "iub":  # integers must survive the cast exactly (floats may round)
-        if array.dtype.kind not in "iub" and not np.all(np.isfinite(array)):
-            raise ValueError(f"non-finite values cannot become {np.dtype(dtype)}")
-        if not np.array_equal(converted.astype(array.dtype), array):
-            raise ValueError(f"values change when cast from {array.dtype} to {np.dtype(dtype)}")
-    return converted
-
-
-def _all_finite(x: np.ndarray) -> bool:
-    """Whether every value is finite. (The elementwise check, ~1 us for 2k values; a finite-sum
-    shortcut needs np.errstate, which costs 3x that.)"""
-    return bool(np.isfinite(x).all())
 
 
 def _close_quietly(writer: Any) -> None:

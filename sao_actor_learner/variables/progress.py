@@ -1,9 +1,10 @@
 """The learner's progress report: admission credit and the rollouts it consumed for good.
 
-A report is cumulative: each one carries the learner's whole state, so the variable server
-keeps only the latest, and a lost or repeated report costs nothing. Reports only move forward:
-one with a smaller version, dropped_total, trained_total or loss_epoch than the stored one is
-refused unless it is identical (a resumed learner re-sending what it sent before).
+A report is cumulative: each one carries the learner's whole state, and the variable server
+merges it into what it holds (`Progress.merged`): field by field the larger total and loss
+epoch, and per actor the higher watermark with the union of the acknowledged seqs. Progress
+never moves backwards, and a lost, repeated or older report (a resumed learner behind its
+predecessor) changes nothing it should not: acknowledged rollouts stay acknowledged.
 
 For each actor, `watermark` and `seqs` name the rollouts (by the actor's sequence numbers)
 consumed for good, trained or dropped: every seq < watermark, and each one in seqs. An actor
@@ -45,18 +46,18 @@ class Progress:
         """The actor's acknowledgements (watermark 0 and no seqs for one never named)."""
         return self.acks.get(actor_id, ActorAcks())
 
-    def refusal(self, new: "Progress") -> str:
-        """Why `new` may not replace this report ("" if it may): it must be identical, or move
-        no total (version, dropped, trained, loss epoch) backwards."""
-        if new == self:
-            return ""
-        for field in ("version", "dropped_total", "trained_total", "loss_epoch"):
-            old_value, new_value = getattr(self, field), getattr(new, field)
-            if new_value < old_value:
-                return (f"{field}={new_value} is smaller than the stored report's {old_value}, "
-                        "and the report is not identical to it; reports are cumulative: send "
-                        "the learner's full current state")
-        return ""
+    def merged(self, new: "Progress") -> "Progress":
+        """This report with `new` merged in (see the module docstring)."""
+        acks: Dict[int, ActorAcks] = dict(self.acks)
+        for actor_id, ack in new.acks.items():
+            old = acks.get(actor_id, ActorAcks())
+            watermark = max(old.watermark, ack.watermark)
+            seqs = tuple(sorted({s for s in old.seqs + ack.seqs if s >= watermark}))
+            acks[actor_id] = ActorAcks(watermark, seqs)
+        return Progress(max(self.version, new.version),
+                        max(self.dropped_total, new.dropped_total),
+                        max(self.trained_total, new.trained_total),
+                        max(self.loss_epoch, new.loss_epoch), dict(sorted(acks.items())))
 
     def to_state(self) -> dict:
         """JSON-ready form; `from_state` reads it back."""

@@ -33,7 +33,9 @@ class ProgressResult:
     """The server's answer to a progress report."""
     credit: int           # admission credit in effect (max over reports and publishes)
     capacity: int         # admission capacity now
-    identical: bool       # the report repeated the stored one
+    identical: bool       # the report changed nothing the server held
+    loss_epoch: int = 0   # the loss epoch the server now holds (max over every report)
+    version: int = -1     # the newest version any report named
 
 
 class VariablePublisher(LazyChannel):
@@ -168,10 +170,9 @@ class VariablePublisher(LazyChannel):
         was consumed for good (trained or dropped); None: none. Reports are cumulative: always
         send the full state (acks left out are forgotten).
 
+        The server merges it into what it holds (progress.py): an older report changes nothing.
         ValueError for out-of-range values (progress.make_progress). VariableClientError with
-        the gRPC code: FAILED_PRECONDITION when a total is smaller than in the report the
-        server holds and the report is not identical (a resumed learner behind its
-        predecessor); UNAVAILABLE / DEADLINE_EXCEEDED while the server is unreachable or
+        the gRPC code: UNAVAILABLE / DEADLINE_EXCEEDED while the server is unreachable or
         restarting (`error.retryable`).
         """
         report = make_progress(version, dropped_total, trained_total, loss_epoch, acks or {})
@@ -182,7 +183,8 @@ class VariablePublisher(LazyChannel):
                   for a, ack in report.acks.items()])
         reply = self._unary("ReportProgress", request, timeout_s,
                             f"ReportProgress(version={version})", metadata=self._metadata())
-        return ProgressResult(reply.credit, reply.capacity, reply.identical)
+        return ProgressResult(reply.credit, reply.capacity, reply.identical, reply.loss_epoch,
+                              reply.version)
 
     def close(self) -> None:
         """Closes the channel; the publisher cannot be used afterwards."""

@@ -342,19 +342,19 @@ class VariableServer(core.Worker):
             raise Abort(_INVALID, f"ReportProgress {e}") from None
         with self._lock:
             stored = self._progress
-            refusal = stored.refusal(report) if stored is not None else ""
-            if refusal:
-                raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"ReportProgress: {refusal}")
-            identical = report == stored
+            merged = stored.merged(report) if stored is not None else report
+            identical = merged == stored
             if not identical:
-                self._progress, self._progress_json = report, json.dumps(report.to_state())
+                self._progress, self._progress_json = merged, json.dumps(merged.to_state())
                 self._counters["progress_reports"] += 1
-            self._admission.add_credit(report.dropped_total)
+            self._admission.add_credit(merged.dropped_total)
             snapshot = None if identical else self._snapshot_locked()
             credit = self._admission.credit
             capacity = self._admission.capacity(self._published_version)
         self._persist(snapshot, "ReportProgress")
-        return variables_pb2.ProgressReply(credit=credit, capacity=capacity, identical=identical)
+        return variables_pb2.ProgressReply(credit=credit, capacity=capacity, identical=identical,
+                                           loss_epoch=merged.loss_epoch,
+                                           version=merged.version)
 
     def _acknowledged(self, raw: bytes, context: grpc.ServicerContext) -> variables_pb2.AckReply:
         request = parse(variables_pb2.AckRequest, raw, "AckRequest")
