@@ -64,7 +64,7 @@ def rollout_accounting(run_dir: str) -> Dict:
         import torch
         state = torch.load(os.path.join(point.checkpoint, journal_lib.LEARNER_STATE_FILE),
                            weights_only=False)
-    sampler = state.get("sampler", {})
+    sampler = (state.get("samplers") or [{}])[0]   # rank 0's: its consumed keys are the group's
     consumed_keys = ConsumedKeys()
     consumed_keys.load_state_dict(sampler.get("consumed", {}))
     journalled = {r.key for record in point.replay for r in record}

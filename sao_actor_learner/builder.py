@@ -122,6 +122,7 @@ def launch_options(config: SAOConfig) -> dict:
     restart = {group: policy for group in config.restart_groups}
     if config.learners > 1 and "learner" in restart:   # a group of ranks dies and comes back whole
         restart["learner"] = dataclasses.replace(policy, together=True)
+        restart["learner_store"] = policy   # a fresh store: the ranks fail and re-join it
     options = {"restart": restart, "bind_host": config.bind_host}
     if config.launch == "ray":
         options["ray_address"] = config.ray_address or None
@@ -497,12 +498,15 @@ def make_program(config: SAOConfig, run_dir: Optional[str] = None, actor_factory
     with program.group("variables"):
         variables = program.add_node(lp.ServiceNode(make_variable_server, config, token,
                                                     run_dir=run_dir, **secure))
+    store = None
+    if config.learners > 1:   # the learner group's rendezvous (its own group: no GPU of its own)
+        with program.group("learner_store"):
+            store = program.add_node(lp.ServiceNode(make_learner_group_store, config))
     with program.group("learner"):
         if config.learners == 1:
             program.add_node(lp.PyNode(make_learner, config, replay, variables, token, run_dir,
                                        **secure, **signed))
-        else:   # a rendezvous node, then one node per rank
-            store = program.add_node(lp.ServiceNode(make_learner_group_store, config))
+        else:   # one node per rank
             for rank in range(config.learners):
                 program.add_node(lp.PyNode(make_learner, config, replay, variables, token,
                                            run_dir, rank=rank, group_address=store, **secure,

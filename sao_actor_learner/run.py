@@ -115,7 +115,8 @@ def run_program(config: SAOConfig, make_program, progress: bool = True,
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         f.write(config.to_json())
     node_env = {"OMP_NUM_THREADS": str(config.threads_per_process), "TF_CPP_MIN_LOG_LEVEL": "2",
-                "PYTHONUNBUFFERED": "1", **(env or {})}
+                "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                **(env or {})}
     t0 = time.time()
     program = make_program(config)
     launched = lp.launch(program, launch_type=config.launch, run_dir=run_dir,

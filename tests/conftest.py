@@ -1,9 +1,13 @@
-"""Shared fixtures: a warm-start checkpoint for the program tests."""
+"""Shared fixtures: a warm-start checkpoint for the program tests; offline hub settings."""
 import os
 import subprocess
 import sys
 
 import pytest
+
+# No model hub is reachable: a stray hub id must fail at once, not after a minute of retries.
+for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_WARM_START = os.path.join(REPO, "checkpoints", "warm_start")

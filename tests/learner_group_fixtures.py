@@ -19,14 +19,17 @@ def run_rank(rank, world_size, address, overrides, out_path):
     from sao_actor_learner.config import SAOConfig
     from sao_actor_learner.models.value import ValueModel
 
-    collective = distributed.init_process_group(rank, world_size, address, timeout_s=120)
+    backend = os.environ.get("LEARNER_GROUP_BACKEND", "")     # "" gloo on CPU; nccl on GPUs
+    collective = distributed.init_process_group(rank, world_size, address, timeout_s=120,
+                                                backend=backend)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     rs = group_batch(t.learner_for(**overrides))        # before any sharding: plain log-probs
     config = SAOConfig(**{"batch_size": 8, "actor_batch": 8, "max_steps": 3, "learners": 2,
                           **overrides})
-    policy = t.tiny_policy(0)
+    policy = t.tiny_policy(0).to(device)
     critic = None
     if config.algorithm == "sao":
-        critic = ValueModel.from_policy(policy)
+        critic = ValueModel.from_policy(policy).to(device)
         critic.freeze(config.critic_frozen_patterns)
         distributed.prepare_module(critic, config.learner_strategy, collective,
                                    layers=critic.body.layers)
@@ -34,7 +37,7 @@ def run_rank(rank, world_size, address, overrides, out_path):
                                layers=base_model_of(policy).layers)
     learner = assemble_learner(config, policy, critic, collective=collective)
     stats = learner.update(collate(rs[rank::world_size]))
-    policy = distributed.full_state_dict(learner.policy)
+    policy = distributed.full_state_dict(learner.policy)     # on CPU
     critic = distributed.full_state_dict(learner.estimator.critic) \
         if learner.estimator.has_critic else {}
     if rank == 0:

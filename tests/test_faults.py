@@ -539,7 +539,12 @@ def test_soak_program_kills_nodes_and_accounts_for_every_rollout(warm_start, tmp
     assert r["consumed_keys"] + r["held_in_actor_spools_at_end"] >= r["completed"]
 
 
-def test_actor_asks_admission_again_when_the_variable_server_is_away():
+class _NoTask:
+    def sample_prompt(self, rng):
+        raise AssertionError("no prompts expected")
+
+
+def test_actor_asks_admission_again_when_the_variable_server_is_away(tmp_path):
     """A variable server killed mid-call (UNAVAILABLE) makes the actor back off and ask again,
     not crash; any other error still propagates."""
     import grpc
@@ -560,8 +565,8 @@ def test_actor_asks_admission_again_when_the_variable_server_is_away():
         version = 0
 
     variables = FlakyVariables()
-    actor = Actor(0, task=None, engine=Engine(), variables=variables, writer=None, decode=None,
-                  params=None, actor_batch=4)
+    actor = Actor(0, task=_NoTask(), engine=Engine(), variables=variables, sink=None,
+                  decode=None, params=None, spool=RolloutSpool(str(tmp_path)), actor_batch=4)
     assert actor._admitted() == 0 and actor._admitted() == 0   # backed off, no crash
     assert actor._admitted() == 4 and variables.calls == 3
     variables.calls, variables.code = 0, grpc.StatusCode.PERMISSION_DENIED

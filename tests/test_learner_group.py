@@ -62,3 +62,56 @@ def test_a_two_rank_step_equals_the_single_process_whole_batch_step(overrides, t
                 "explained_variance", "advantage_mean"):
         if key in stats:
             assert group["stats"][key] == pytest.approx(stats[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.timeout(600)
+def test_a_program_with_two_learner_ranks_trains_and_survives_kill_9_of_a_rank(warm_start,
+                                                                               tmp_path):
+    """local_mp, the whole SAO program with --learners=2: versions 1..12 in order, the staleness
+    bound held, and after a SIGKILL of rank 1 the whole group restarts from its checkpoint and
+    redoes the lost steps; no rollout is lost or trained twice."""
+    import signal
+
+    import fault_fixtures as ff
+    from sao_actor_learner.accounting import rollout_accounting
+    from sao_actor_learner.builder import make_program
+    from sao_actor_learner.config import SAOConfig
+    from sao_actor_learner.observers import read_metrics
+    from sao_actor_learner.run import run_program
+
+    config = SAOConfig(init_checkpoint=warm_start, run_dir=str(tmp_path / "run"), max_steps=12,
+                       batch_size=8, num_actors=2, actor_batch=4, max_staleness=2, learners=2,
+                       eval_every=0, eval_size=8, checkpoint_every=4,
+                       restart_groups=("actor", "evaluator", "learner"), restart_backoff_s=0.2)
+    run_dir = config.run_dir
+    killed = {}
+
+    def step():
+        train = read_metrics(run_dir, "train")
+        return train[-1]["step"] if train else 0
+
+    def kill_rank_1(launched):
+        ff.wait_for(lambda: (s := step()) > 4 and s % 4 and s < 12, timeout=300,
+                    what="a step past a checkpoint", poll=0.005)
+        killed["pid"] = ff.nodes_json(run_dir)["learner_1"]["pid"]
+        killed["at"] = step()
+        os.kill(killed["pid"], signal.SIGKILL)
+
+    summary = run_program(config, make_program, progress=False, on_launch=kill_rank_1)
+    nodes = ff.nodes_json(run_dir)
+    assert nodes["learner_1"]["restarts"] == nodes["learner_0"]["restarts"] == 1, nodes
+    assert nodes["learner_1"]["restart_history"][0]["pid"] == killed["pid"]
+    train = read_metrics(run_dir, "train")
+    assert sorted({r["step"] for r in train}) == list(range(1, 13))
+    for row in train:
+        assert row["policy_version"] == row["step"] and row["learners"] == 2
+        assert row["staleness_max"] <= config.max_staleness
+        assert row["batch_size"] == config.batch_size
+    resumed = [r for r in train if "resumed_from" in r]
+    assert resumed and resumed[0]["resumed_from"] % 4 == 0 and \
+        resumed[0]["resumed_from"] < killed["at"]
+    assert resumed[-1]["resume_publish_conflicts"] == 0
+    acc = rollout_accounting(run_dir)
+    assert acc["learner_version"] == 12 and acc["trained"] == 12 * config.batch_size
+    assert acc["lost"] == 0 and acc["consumed_twice"] == 0 and acc["forgot_early"] == 0, acc
+    assert summary["rollouts_trained"] == 12 * config.batch_size

@@ -259,3 +259,17 @@ def test_top_p_rollouts_are_on_policy_for_the_learner():
     # Scored over the whole vocabulary instead, the ratio is the nucleus mass (< 1): the bug.
     assert losses.drift_stats(full_logp, batch.rollout_logp, batch.action_mask)[
         "ratio_mean"] < 0.95
+
+
+@pytest.mark.parametrize("loss", ["dis", "ppo_clip", "tis", "icepop", "none"])
+def test_tokens_outside_the_nucleus_give_finite_losses(loss):
+    """Off-policy data at top_p < 1: some sampled tokens lie outside the learner's nucleus;
+    every loss stays finite and the step trains."""
+    learner = learner_for(top_p=0.3, policy_loss=loss, policy_minibatches=2)
+    with torch.no_grad():
+        learner.policy.lm_head.weight.mul_(20.0)    # peaked: small nuclei
+    rs = rollouts(noise=2.0)
+    before = params(learner)
+    stats = learner.update(collate(rs))
+    assert np.isfinite(stats["policy_loss"]) and stats["nonfinite_skipped"] == 0, stats
+    assert any(not torch.equal(before[k], v) for k, v in params(learner).items())

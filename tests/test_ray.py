@@ -162,7 +162,7 @@ def test_sao_run_on_ray_survives_kill_9_of_an_actor(warm_start, tmp_path):
 
     def inserted(name):
         ledger = os.path.join(run_dir, "spool", name, "ledger.log")
-        return os.path.exists(ledger) and "ins " in open(ledger).read()
+        return os.path.exists(ledger) and "sent " in open(ledger).read()
 
     def kill_an_actor(launched):
         # The first actor to insert (the other may still be importing torch).

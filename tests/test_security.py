@@ -157,7 +157,7 @@ def test_binding_beyond_loopback_requires_a_token(tmp_path):
     with pytest.raises(ConfigError, match="auth token"):
         make_program(config, auth_token="")
     assert make_program(config, auth_token=AUTH).groups["variables"][0].kwargs == {
-        "auth_token": AUTH}
+        "auth_token": AUTH, "run_dir": str(tmp_path / "run")}
     env = {k: v for k, v in os.environ.items() if k != "SAO_AUTH_TOKEN"}
     proc = subprocess.run([sys.executable, os.path.join(REPO, "programs", "sao.py"),
                            "--bind_host=0.0.0.0", f"--run_dir={tmp_path / 'run'}"],

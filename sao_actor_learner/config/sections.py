@@ -31,7 +31,7 @@ KERNEL_BACKENDS = ("auto", "triton", "torch")
 DTYPES = ("float32", "bfloat16")
 LEARNER_STRATEGIES = ("ddp", "fsdp2")
 # The groups of the SAO program (builder.make_program), for restart_groups and ray_resources.
-PROGRAM_GROUPS = ("replay", "variables", "learner", "actor", "evaluator")
+PROGRAM_GROUPS = ("replay", "variables", "learner", "learner_store", "actor", "evaluator")
 
 Fail = Callable[[str], None]
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -246,3 +246,26 @@ def full_state_dict(module: torch.nn.Module) -> dict:
             t = t.full_tensor()
         out[name] = t.detach().to("cpu")
     return out
+
+
+def optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's whole state (FSDP2 shards gathered into full tensors on every rank, a
+    collective then); what `load_optimizer_state` takes back, on any number of ranks."""
+    if not any(is_sharded(p) for p in module.parameters()):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_optimizer_state_dict)
+    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         state: dict) -> None:
+    """Loads `optimizer_state` output (each rank keeps its shards under FSDP2)."""
+    if not any(is_sharded(p) for p in module.parameters()):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         set_optimizer_state_dict)
+    set_optimizer_state_dict(module, optimizer, optim_state_dict=state,
+                             options=StateDictOptions(full_state_dict=True))

@@ -122,12 +122,13 @@ class CriticGAE(AdvantageEstimator):
     def values(self, batch: Batch) -> tuple:
         """(values aligned to token positions [B, T], value after each row's last token [B]),
         without gradient, micro-batch by micro-batch."""
-        raw = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        raw = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
         with torch.no_grad():
             for rows in minibatches.pack_by_tokens(batch.lengths.tolist(),
                                                    self.config.micro_batch_tokens):
                 micro = minibatches.select_rows(batch, rows, trim=True)
-                raw[torch.as_tensor(rows), :micro.tokens.shape[1]] = self._raw_values(micro).cpu()
+                raw[torch.as_tensor(rows, device=raw.device),
+                    :micro.tokens.shape[1]] = self._raw_values(micro)
         aligned = torch.cat([torch.zeros_like(raw[:, :1]), raw[:, :-1]], dim=1)
         last = raw.gather(1, (batch.lengths - 1).clamp(min=0)[:, None])[:, 0]
         return aligned, last
@@ -164,12 +165,13 @@ class CriticGAE(AdvantageEstimator):
         norm = 0.0
         for _ in range(cfg.critic_updates):
             self.optimizer.zero_grad(set_to_none=True)
-            recomputed = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+            recomputed = torch.zeros(batch.tokens.shape, dtype=torch.float32,
+                                     device=batch.tokens.device)
             loss_total = 0.0
             for rows in minibatches.pack_by_tokens(batch.lengths.tolist(), cfg.micro_batch_tokens):
                 micro = minibatches.select_rows(batch, rows, trim=True)
                 width = micro.tokens.shape[1]
-                r = torch.as_tensor(rows)
+                r = torch.as_tensor(rows, device=batch.tokens.device)
                 raw = self._raw_values(micro)
                 values = torch.cat([torch.zeros_like(raw[:, :1]), raw[:, :-1]], dim=1)
                 loss, _ = losses.value_loss(values, estimate.returns[r, :width], micro.action_mask,
@@ -177,7 +179,7 @@ class CriticGAE(AdvantageEstimator):
                                             normalizer=n_actions)
                 loss.backward()
                 loss_total += float(loss.detach())
-                recomputed[r, :width] = values.detach().cpu()
+                recomputed[r, :width] = values.detach()
             distributed.all_reduce_gradients(self.params, self.collective)
             norm = distributed.clip_grad_norm(self.params, cfg.max_grad_norm, self.collective)
             loss_total = self.collective.sum([loss_total])[0]
@@ -200,7 +202,7 @@ class CriticGAE(AdvantageEstimator):
 
     def state_dict(self) -> dict:
         return {"critic": distributed.full_state_dict(self.critic),
-                "critic_opt": self.optimizer.state_dict(),
+                "critic_opt": distributed.optimizer_state(self.critic, self.optimizer),
                 "nonfinite_skipped": self.nonfinite_skipped}
 
     def load_state_dict(self, state: dict) -> None:
@@ -208,13 +210,13 @@ class CriticGAE(AdvantageEstimator):
             raise ValueError("the checkpoint has no critic (a checkpoint of another "
                              "algorithm?); resume with the same --algorithm")
         self.critic.load_state_dict(state["critic"])
-        self.optimizer.load_state_dict(state["critic_opt"])
+        distributed.load_optimizer_state(self.critic, self.optimizer, state["critic_opt"])
         self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
 
 
 def _rewards_everywhere(batch: Batch, collective: distributed.Collective, with_keys: bool):
     """(every rank's rewards [sum B] float64, their prompt keys or None, this rank's slice)."""
-    rewards = sequence_rewards(batch).double().numpy()
+    rewards = sequence_rewards(batch).double().cpu().numpy()
     keys = [prompt_key(r) for r in batch.rollouts] if with_keys else None
     parts = collective.gather_objects((rewards, keys))
     start = sum(len(p[0]) for p in parts[:collective.rank])
@@ -235,7 +237,7 @@ class GroupNormalized(AdvantageEstimator):
         rewards = sequence_rewards(batch).double()
         adv, means = group_normalized_advantages(rewards, [r.group_id for r in batch.rollouts],
                                                  self.scale_by_std)
-        parts = self.collective.gather_objects((rewards.numpy(), means.numpy()))
+        parts = self.collective.gather_objects((rewards.cpu().numpy(), means.cpu().numpy()))
         stats = baseline_stats(np.concatenate([p[0] for p in parts]),
                                np.concatenate([p[1] for p in parts]))
         return Estimate(broadcast_to_action_tokens(adv, batch.action_mask), stats,
@@ -258,8 +260,9 @@ class TrackedBaseline(AdvantageEstimator):
         rewards, keys, mine = _rewards_everywhere(batch, self.collective, with_keys=True)
         b = self.tracker.values(keys, rewards)
         self.tracker.update(keys, rewards)
-        adv = broadcast_to_action_tokens(torch.as_tensor(rewards[mine] - b[mine]),
-                                         batch.action_mask)
+        adv = broadcast_to_action_tokens(
+            torch.as_tensor(rewards[mine] - b[mine], device=batch.action_mask.device),
+            batch.action_mask)
         if self.normalize_advantages:
             adv = whiten(adv, batch.action_mask, self.collective)
         return Estimate(adv, baseline_stats(rewards, b), baseline=torch.as_tensor(b[mine]))

@@ -57,8 +57,8 @@ def group_normalized_advantages(rewards: torch.Tensor, group_ids: Sequence[Hasha
 class GroupAssembler:
     """Collects rollouts into whole groups of `group_size` by group_id.
 
-    Complete groups come out in the order they completed. `drop_stale` removes every group
-    (complete or not) with a stale member and returns how many rollouts it removed.
+    Complete groups come out in the order they completed. `take_stale` removes every group
+    (complete or not) with a stale member and returns its rollouts (`drop_stale`: how many).
     """
 
     def __init__(self, group_size: int):
@@ -85,16 +85,20 @@ class GroupAssembler:
                 self._complete.append(self._pending.pop(r.group_id))
 
     def drop_stale(self, is_stale: Callable[[Rollout], bool]) -> int:
-        dropped = 0
+        return len(self.take_stale(is_stale))
+
+    def take_stale(self, is_stale: Callable[[Rollout], bool]) -> List[Rollout]:
+        """Removes every group (complete or not) with a stale member; returns their rollouts."""
+        dropped: List[Rollout] = []
         keep = collections.deque()
         for g in self._complete:
             if any(is_stale(r) for r in g):
-                dropped += len(g)
+                dropped += g
             else:
                 keep.append(g)
         self._complete = keep
         for gid in [gid for gid, g in self._pending.items() if any(is_stale(r) for r in g)]:
-            dropped += len(self._pending.pop(gid))
+            dropped += self._pending.pop(gid)
         return dropped
 
     def pop_complete(self, max_groups: int) -> List[List[Rollout]]:

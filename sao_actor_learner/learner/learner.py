@@ -148,7 +148,8 @@ class Learner(core.Worker, core.VariableSource):
     # --- the math ---------------------------------------------------------------------------------
     def update(self, batch: Batch, train_policy: bool = True) -> Dict[str, float]:
         """Estimate, policy step (unless not train_policy), estimator update; statistics. Does
-        not bump the version."""
+        not bump the version. The batch moves to the policy's device."""
+        batch = batch.to(self.policy_trainer.device)
         estimate = self.estimator.estimate(batch)
         stats: Dict[str, float] = dict(estimate.stats)
         if train_policy:
@@ -394,7 +395,9 @@ class Learner(core.Worker, core.VariableSource):
         """Everything but the policy weights that a resumed learner needs to continue exactly."""
         return {
             "version": self.version, "policy": self.policy_trainer.state_dict(),
-            "estimator": self.estimator.state_dict(), "sampler": self.sampler.state_dict(),
+            "estimator": self.estimator.state_dict(),
+            # Every rank's sampler (its share's counters, its group assembler): a collective.
+            "samplers": self.collective.gather_objects(self.sampler.state_dict()),
             "critic_only_steps": self.critic_only_steps, "warmup_done": self.warmup_done,
             "loss_epoch": self.loss_epoch,
             "consumed_without_version": self.consumed_without_version,
@@ -413,7 +416,9 @@ class Learner(core.Worker, core.VariableSource):
         """Loads `learner_state()` output (the policy weights are loaded separately)."""
         self.estimator.load_state_dict(state["estimator"])
         self.policy_trainer.load_state_dict(state["policy"])
-        self.sampler.load_state_dict(state["sampler"])
+        samplers = state["samplers"]
+        self.sampler.load_state_dict(samplers[self.collective.rank] if
+                                     self.collective.rank < len(samplers) else samplers[0])
         self.version = int(state["version"])
         self.critic_only_steps = int(state.get("critic_only_steps", 0))
         self.warmup_done = int(state.get("warmup_done", 0))

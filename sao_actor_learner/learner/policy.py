@@ -41,6 +41,10 @@ from sao_actor_learner.models.value import base_model_of
 from sao_actor_learner.types import Batch
 
 _NUCLEUS_ROWS = 4096   # rows of logits held at once on the top_p < 1 path
+# A token outside the learner's current nucleus has log-prob -inf; it is floored here (its
+# gradient is 0 either way) so every ratio stays a number: 0 against the rollout's log-prob,
+# and e^0 = 1 against an old policy that also left it out.
+LOGP_FLOOR = -1e4
 
 
 def autocast(dtype: str, device: torch.device):
@@ -131,16 +135,17 @@ class PolicyTrainer:
                 h, weight, None if bias is None else bias[:weight.shape[0]])
             logp = sampling_logprobs(logits, self.temperature, self.top_p)
             out.append(logp.gather(-1, flat_t[start:start + _NUCLEUS_ROWS, None])[:, 0])
-        return torch.cat(out).reshape(B, T)
+        return torch.cat(out).reshape(B, T).clamp(min=LOGP_FLOOR)
 
     def logprobs_no_grad(self, batch: Batch) -> torch.Tensor:
         """[B, T] log-probs of the whole batch without gradient, micro-batch by micro-batch."""
-        out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
         with torch.no_grad():
             for rows in minibatches.pack_by_tokens(batch.lengths.tolist(),
                                                    self.config.micro_batch_tokens):
                 micro = minibatches.select_rows(batch, rows, trim=True)
-                out[torch.as_tensor(rows), :micro.tokens.shape[1]] = self.logprobs(micro).cpu()
+                out[torch.as_tensor(rows, device=out.device),
+                    :micro.tokens.shape[1]] = self.logprobs(micro)
         return out
 
     # The step ---------------------------------------------------------------------------------
@@ -152,7 +157,8 @@ class PolicyTrainer:
         self.policy.train()
         if cfg.policy_loss in losses.NEEDS_OLD_LOGP and old_logp is None:
             old_logp = self.logprobs_no_grad(batch)
-        logp_all = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        logp_all = torch.zeros(batch.tokens.shape, dtype=torch.float32,
+                               device=batch.tokens.device)
         norms: List[float] = []
         for rows in minibatches.row_splits(batch.size, cfg.policy_minibatches):
             mb = batch if len(rows) == batch.size else minibatches.select_rows(batch, rows)
@@ -167,7 +173,7 @@ class PolicyTrainer:
     def _optimizer_step(self, mb: Batch, rows: Sequence[int], advantages: torch.Tensor,
                         old_logp: Optional[torch.Tensor], logp_all: torch.Tensor) -> float:
         cfg = self.config
-        rows_t = torch.as_tensor(rows)
+        rows_t = torch.as_tensor(rows, device=mb.tokens.device)
         adv, old = advantages[rows_t], None if old_logp is None else old_logp[rows_t]
         n_actions = self.collective.sum([float(mb.action_mask.sum())])[0]
         self.optimizer.zero_grad(set_to_none=True)
@@ -176,14 +182,14 @@ class PolicyTrainer:
                                                      cfg.micro_batch_tokens):
             micro = minibatches.select_rows(mb, micro_rows, trim=True)
             width = micro.tokens.shape[1]
-            m = torch.as_tensor(micro_rows)
+            m = torch.as_tensor(micro_rows, device=mb.tokens.device)
             logp = self.logprobs(micro)
             loss, s = self._loss(micro, logp, adv[m, :width],
                                  None if old is None else old[m, :width], n_actions)
             loss.backward()
             loss_total += float(loss.detach())
             kept += s["num_kept_tokens"]
-            logp_all[rows_t[m], :width] = logp.detach().cpu()
+            logp_all[rows_t[m], :width] = logp.detach()
         distributed.all_reduce_gradients(self.params, self.collective)
         if cfg.loss_normalization == "kept_tokens":
             kept_total = self.collective.sum([kept])[0]
@@ -240,9 +246,10 @@ class PolicyTrainer:
 
     # Checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(),
+        """The optimizer (whole, also under FSDP2: every rank must call it) and counters."""
+        return {"optimizer": distributed.optimizer_state(self.policy, self.optimizer),
                 "nonfinite_skipped": self.nonfinite_skipped}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        distributed.load_optimizer_state(self.policy, self.optimizer, state["optimizer"])
         self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))

@@ -121,7 +121,7 @@ class GroupSampler(RolloutSampler):
         groups: List[List[Rollout]] = []
         waited, dropped = 0.0, 0
         while len(groups) < want and not stop.is_set():
-            stale = self.assembler.drop_stale(lambda r: self.is_stale(r, version))
+            stale = self.assembler.take_stale(lambda r: self.is_stale(r, version))
             if stale:
                 dropped += len(stale)
                 self._drop(stale)
