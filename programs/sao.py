@@ -7,7 +7,7 @@ Every field of `SAOConfig` is a flag (see `--helpfull`). The config is validated
 process starts. Writes config.json, metrics.jsonl, TensorBoard events, checkpoints/ and
 summary.json under --run_dir, and prints the held-out accuracy before and after.
 
-Security (issue 7): --auth_token (or $SAO_AUTH_TOKEN) is the secret every variable-server call
+Security: --auth_token (or $SAO_AUTH_TOKEN) is the secret every variable-server call
 must carry; it is needed to bind a non-loopback --bind_host and is never written to config.json.
 """
 import json

@@ -1,7 +1,7 @@
 """Value-pretraining sensitivity: SAO runs that differ only in --value_pretrain_steps.
 
 The paper calls the critic's cold start the main bottleneck and its pretraining scale
-"essential" without giving it (SAO.md section 4). This sweeps the scale:
+"essential" without giving it (docs/METHOD.md section 6). This sweeps the scale:
 
   python programs/value_pretrain_sweep.py --preset=full --out_dir=runs/value_pretrain \
       --results_dir=results/value_pretrain

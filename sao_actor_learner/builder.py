@@ -52,7 +52,7 @@ def make_replay_server(config: SAOConfig, port: int = 0, run_dir: Optional[str] 
                         else 0.0)
 
 
-# --- fault tolerance and security (issue 7) ---------------------------------------------------------
+# --- fault tolerance and security ------------------------------------------------------------------
 def replay_checkpoint_dir(config: SAOConfig, run_dir: Optional[str] = None) -> str:
     return config.replay_checkpoint_dir or os.path.join(run_dir or config.run_dir, "checkpoints",
                                                         "replay")
@@ -89,7 +89,7 @@ def prepare_run_dir(config: SAOConfig, run_dir: Optional[str] = None) -> None:
 
 
 def _check_resumable(config: SAOConfig, run_dir: str) -> None:
-    """--resume: the replay checkpoint brings back its own rate limiter (FACTS.md), so a changed
+    """--resume: the replay checkpoint brings back its own rate limiter (docs/FACTS.md), so a changed
     queue capacity would silently not apply; refuse it before anything starts."""
     from sao_actor_learner.config import ConfigError
     path = os.path.join(run_dir, "config.json")
@@ -180,7 +180,7 @@ def make_task(config: SAOConfig, actor_id: int = 0, tokenizer=None):
     if config.task == "dataset":
         return make_dataset_task(config, tokenizer, actor_id)
     extra = {"shift_every": config.shift_every} if config.task == "online_shift" else {}
-    if config.task == "calculator_tool":  # issue 3: tool latency and timeout
+    if config.task == "calculator_tool":  # tool latency and timeout
         extra = {"tool_latency": config.tool_latency, "tool_timeout_s": config.tool_timeout_s}
     return _make_task(config.task, seed=config.seed, num_eval=config.eval_size,
                       prompt_id_offset=actor_id, prompt_id_stride=config.num_actors, **extra)
@@ -458,7 +458,7 @@ def make_evaluator(config: SAOConfig, variables_address: str, run_dir: Optional[
     return Evaluator(task, engine,
                      variables=VariableClient(variables_address, config.variable_update_period_s,
                                               **_variables_client_security(config, auth_token)),
-                     decode=ckpt.bytes_to_state_dict_views,  # issue 8: no copy
+                     decode=ckpt.bytes_to_state_dict_views,  # no copy
                      params=sampling_params(config, greedy=True,
                                             stop_ids=engine.tokenizer.stop_ids),
                      pass_k=config.eval_pass_k,

@@ -42,7 +42,7 @@ def summarize(config: SAOConfig, run_dir: str, wall_time_s: float,
     for a in actors:
         for k, v in a.get("rejected", {}).items():
             rejected[k] = rejected.get(k, 0) + v
-    env_counters: Dict[str, float] = {}  # episodes, turns, tool calls and tool errors (issue 3)
+    env_counters: Dict[str, float] = {}  # episodes, turns, tool calls and tool errors
     for a in actors:
         for k, v in a.get("env_counters", {}).items():
             env_counters[k] = env_counters.get(k, 0) + v
@@ -105,10 +105,10 @@ def run_program(config: SAOConfig, make_program, progress: bool = True,
     from sao_actor_learner.builder import check_launch_security, launch_options, prepare_run_dir
 
     preflight = check_before_launch(config)
-    check_launch_security(config)   # issue 7: a non-loopback bind needs an auth token
+    check_launch_security(config)   # a non-loopback bind needs an auth token
     run_dir = config.run_dir
     os.makedirs(run_dir, exist_ok=True)
-    prepare_run_dir(config, run_dir)   # issue 7: a fresh run clears checkpoints, journal, spools
+    prepare_run_dir(config, run_dir)   # a fresh run clears checkpoints, journal, spools
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(metrics) and not config.resume:
         os.remove(metrics)  # a fresh run; --resume appends
@@ -121,7 +121,7 @@ def run_program(config: SAOConfig, make_program, progress: bool = True,
     program = make_program(config)
     launched = lp.launch(program, launch_type=config.launch, run_dir=run_dir,
                          terminal_groups=terminal_groups, env=node_env,
-                         **launch_options(config))   # restarts, bind host, Ray (issue 7)
+                         **launch_options(config))   # restarts, bind host, Ray
     try:
         if on_launch is not None:
             on_launch(launched)

@@ -1,6 +1,6 @@
 """The data that flows through the system: one `Rollout` per prompt, and a padded `Batch`.
 
-Token alignment (docs SAO.md section 1): a rollout is one token sequence x_0 .. x_{L-1}: the
+Token alignment (docs/METHOD.md section 1): a rollout is one token sequence x_0 .. x_{L-1}: the
 prompt, then action and observation segments. Every per-token array has length L and index t
 describes token x_t. The log-prob of x_t is predicted from position t-1, so position 0 (the first
 prompt token) is never an action.
@@ -96,7 +96,7 @@ class Rollout:
         return int(v.min()) if v.size else -1
 
     def staleness(self, learner_version: int) -> int:
-        """Rollout staleness when trained at `learner_version` (SAO.md section 6)."""
+        """Rollout staleness when trained at `learner_version` (docs/METHOD.md section 9)."""
         mv = self.min_version()
         return 0 if mv < 0 else learner_version - mv
 

@@ -9,7 +9,7 @@ from sao_actor_learner.learner import advantages as adv_lib
 
 
 def slow_skip_observation_gae(rewards, values, mask, gamma, lams, boot=None):
-    """SAO.md section 5 written out literally, one row at a time."""
+    """docs/METHOD.md section 7 written out literally, one row at a time."""
     B, T = rewards.shape
     A = np.zeros((B, T))
     R = np.zeros((B, T))

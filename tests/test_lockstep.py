@@ -1,4 +1,4 @@
-"""Lock-step (synchronous) training, config `lockstep` (issue 8): the baseline that asynchronous
+"""Lock-step (synchronous) training, config `lockstep`: the baseline that asynchronous
 SAO is benchmarked against (programs/benchmarks/async_vs_sync.py).
 
 Lock-step means: at step v+1 the learner trains exactly the B rollouts generated with version v,

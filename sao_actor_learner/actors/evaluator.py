@@ -69,7 +69,7 @@ class Evaluator(core.Worker):
         self._max_steps = max_steps
         self._logger = logger
         self._episode_limits = dict(max_turns=max_turns, max_total_tokens=max_total_tokens,
-                                    env_threads=env_threads)  # multi-turn tasks (issue 3)
+                                    env_threads=env_threads)  # multi-turn tasks
         self._prompts = task.eval_prompts()
         if pass_k and (sample_params is None or max_turns > 1):
             raise ValueError("pass_k needs sample_params and a single-turn task (max_turns=1)")

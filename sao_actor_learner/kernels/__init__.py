@@ -2,8 +2,8 @@
 
 - `fused_logprobs`: log-probabilities (and entropies) of target tokens from hidden states and the
   LM head, never materialising the [N, V] logits.
-- `dis_loss`: the DIS policy loss (SAO.md section 3), forward and backward in one pass.
-- `skip_observation_gae`: skip-observation GAE (SAO.md section 5), one reverse scan per row.
+- `dis_loss`: the DIS policy loss (docs/METHOD.md section 4), forward and backward in one pass.
+- `skip_observation_gae`: skip-observation GAE (docs/METHOD.md section 7), one reverse scan per row.
 
 Every function takes backend="auto" | "triton" | "torch"; "auto" runs Triton on CUDA tensors and
 the torch reference elsewhere (see `dispatch.py`). This package imports only torch and the

@@ -1,4 +1,4 @@
-"""DIS policy loss (SAO.md section 3), forward and backward in one pass, with its statistics.
+"""DIS policy loss (docs/METHOD.md section 4), forward and backward in one pass, with its statistics.
 
     r_t    = exp(clamp(logp[t] - rollout_logp[t], -20, 20))      (0 log-ratio off action tokens)
     keep_t = mask[t] * 1[1 - eps_low <= r_t <= 1 + eps_high]      (no gradient through keep)

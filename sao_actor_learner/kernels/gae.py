@@ -1,4 +1,4 @@
-"""Skip-observation token-level GAE (SAO.md section 5) as one reverse scan, parallel over rows.
+"""Skip-observation token-level GAE (docs/METHOD.md section 7) as one reverse scan, parallel over rows.
 
     delta_k = r[t_k] + gamma * V(t_{k+1}) - V(t_k);   A_k = delta_k + gamma * lambda_b * A_{k+1}
 

@@ -1,4 +1,4 @@
-"""Advantage estimators (SAO.md section 5). Pure functions on [B, T] tensors.
+"""Advantage estimators (docs/METHOD.md section 7). Pure functions on [B, T] tensors.
 
 Every tensor is aligned to token positions: index t describes token x_t. `values[:, t]` is the
 critic's estimate of the state before action token x_t is emitted (the learner reads it from the
@@ -68,7 +68,7 @@ def skip_observation_gae(rewards: torch.Tensor, values: torch.Tensor, action_mas
                          gamma: float, lam: Lambda,
                          bootstrap_values: Optional[torch.Tensor] = None
                          ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Skip-observation token-level GAE (SAO.md section 5).
+    """Skip-observation token-level GAE (docs/METHOD.md section 7).
 
     The successor of action token t_k is the next action token t_{k+1}, whatever observation
     tokens lie between them; the last action token of a row is terminal (plus

@@ -10,7 +10,7 @@ with b one of two trackers, read before the batch updates them (so R_i never bas
   - per_prompt:   an EMA per prompt (keyed by the prompt's token ids), b_p <- d b_p + (1 - d) R,
                   falling back to the running mean for prompts not seen before.
 
-A controlled run separates prompt diversity from single-rollout sampling (SAO.md section 8):
+A controlled run separates prompt diversity from single-rollout sampling (docs/METHOD.md section 12):
 SAO (critic) vs this learner (no critic) on the same 128 x 1 batches, and this learner vs GRPO
 (group baseline) on the same number of distinct prompts.
 

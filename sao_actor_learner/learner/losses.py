@@ -1,4 +1,4 @@
-"""Policy and value losses (SAO.md sections 3 and 4). Pure functions on [B, T] tensors.
+"""Policy and value losses (docs/METHOD.md sections 4-6). Pure functions on [B, T] tensors.
 
 Every loss is a token-level mean over the action tokens of the whole batch. Statistics are
 returned as plain floats so callers can log them. No reverb, tensorflow or grpc here.
@@ -63,7 +63,7 @@ def dis_policy_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: 
                     action_mask: torch.Tensor, eps_low: float, eps_high: float,
                     normalization: str = "action_tokens", normalizer: Optional[float] = None
                     ) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """Direct double-sided importance sampling (SAO.md section 3).
+    """Direct double-sided importance sampling (docs/METHOD.md section 4).
 
         r_t    = exp(logp[t] - rollout_logp[t])
         keep_t = mask[t] * 1[1 - eps_low <= r_t <= 1 + eps_high]        (no gradient through keep)
@@ -96,7 +96,7 @@ def dis_policy_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: 
 def value_loss(values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor,
                old_values: Optional[torch.Tensor] = None, clip: float = 0.0,
                normalizer: Optional[float] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """0.5 * (V(t) - R_t)^2, token mean over action tokens (SAO.md section 4).
+    """0.5 * (V(t) - R_t)^2, token mean over action tokens (docs/METHOD.md section 6).
 
     With clip > 0 and old_values given, PPO-style value clipping: the max of the unclipped loss and
     the loss of old_values + clamp(V - old_values, -clip, clip). `normalizer` replaces the
@@ -128,7 +128,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return float(1.0 - (r - v).var(unbiased=False) / var_r)
 
 
-# --- Comparison losses for baselines and drift studies (SAO.md section 3, last paragraph) ------
+# --- Comparison losses for baselines and drift studies (docs/METHOD.md section 5) ------
 #
 # The learner recomputes `old_logp` (log-probs of the policy it holds before this step's
 # optimizer steps, no gradient) for the losses that need it. Three log-probs per token then:
@@ -153,7 +153,7 @@ def _check_normalization(normalization: str) -> None:
 
 def drift_stats(logp: torch.Tensor, rollout_logp: torch.Tensor,
                 action_mask: torch.Tensor) -> Dict[str, float]:
-    """Behaviour-vs-current drift over action tokens, whatever the loss (SAO.md section 7).
+    """Behaviour-vs-current drift over action tokens, whatever the loss (docs/METHOD.md section 11).
 
     With r = pi_theta / mu: ratio_mean, ratio_max, ratio_min, kl_rollout (mean of r - 1 - log r,
     an estimate of KL(mu || pi_theta)), ess ((sum r)^2 / (n sum r^2)), num_action_tokens.

@@ -1,6 +1,6 @@
 """The critic: the policy's architecture with a scalar head, trained with attention frozen.
 
-SAO.md section 4: a separate network, initialised from the policy (or a value-pretraining)
+docs/METHOD.md section 6: a separate network, initialised from the policy (or a value-pretraining)
 checkpoint; during RL only the MLP / MoE expert projections and the value head are trained.
 Which parameters stay frozen is a list of name patterns (config `critic_frozen_patterns`,
 regexes searched in the body's parameter names). The default patterns (`self_attn`,

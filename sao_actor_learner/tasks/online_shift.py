@@ -1,4 +1,4 @@
-"""Addition whose preferred answer flips in phases: the online setting of SAO.md section 8.
+"""Addition whose preferred answer flips in phases: the online setting of docs/METHOD.md section 12.
 
 Prompts, split and tokenizer are `ArithmeticTask`'s. The reward rule depends on the phase,
 `(policy_version // shift_every) % 2`:
