@@ -45,3 +45,89 @@ def make_corrupting_actor(config, actor_id, replay_address, variables_address, r
 
 make_program_with_corrupting_actors = functools.partial(builder.make_program,
                                                         actor_factory=make_corrupting_actor)
+
+
+# Forged replay items inserted into a running program (actor 0 inserts them, through the
+# program's own unauthenticated Reverb port, before it sends its first real rollout). What each
+# kind should be refused as by the learner's reader:
+FORGERIES = {"other_secret": 3, "unsigned": 2, "garbage": 2}
+FORGERY_REASONS = {"other_secret": "bad_signature", "unsigned": "bad_signature",
+                   "garbage": "malformed"}
+
+
+def forged_rollout(seq, vocab_size, max_len):
+    """A well-formed rollout with plausible columns (what a forger who read types.py makes)."""
+    import numpy as np
+
+    from sao_actor_learner.types import Rollout
+
+    rng = np.random.default_rng(seq)
+    length = min(max_len, 12)
+    mask = np.zeros(length, np.int8)
+    mask[4:] = 1
+    return Rollout(tokens=rng.integers(0, vocab_size, length), action_mask=mask,
+                   rollout_logp=np.where(mask == 1, -0.5, 0.0),
+                   versions=np.where(mask == 1, 0, -1),
+                   rewards=np.where(np.arange(length) == length - 1, 1.0, 0.0),
+                   prompt_id=10 ** 9 + seq, actor_id=0, group_id=10 ** 9 + seq, seq=seq,
+                   start_time=0.0, end_time=0.0, truncated=0)
+
+
+class ForgingActor(core.Worker):
+    """A real actor whose node first inserts FORGERIES into the program's replay table:
+    rollouts signed with another run's secret, unsigned ones (a writer without a signer), and
+    raw items that are not rollouts at all; then runs the real actor unchanged."""
+
+    def __init__(self, actor, replay_address, vocab_size, max_len):
+        self._actor = actor
+        self._address = replay_address
+        self._vocab_size = vocab_size
+        self._max_len = max_len
+
+    def _forge(self):
+        import secrets
+
+        import numpy as np
+        import reverb
+
+        from sao_actor_learner.replay import RolloutWriter
+        from sao_actor_learner.replay.tables import DEFAULT_TABLE
+        from sao_actor_learner.replay.validation import RolloutSigner
+
+        seq = 10 ** 6   # keys far from the actor's own
+        for kind, signer in (("other_secret", RolloutSigner(secrets.token_hex(32))),
+                             ("unsigned", None)):
+            writer = RolloutWriter(self._address, max_sequence_length=self._max_len,
+                                   vocab_size=self._vocab_size, signer=signer)
+            for _ in range(FORGERIES[kind]):
+                seq += 1
+                assert writer.write(forged_rollout(seq, self._vocab_size, self._max_len), 60.0)
+            writer.close()
+        client = reverb.Client(self._address)
+        for i in range(FORGERIES["garbage"]):
+            raw = client.trajectory_writer(num_keep_alive_refs=1, validate_items=False)
+            raw.append([np.arange(5 + i, dtype=np.float64)])
+            raw.create_item(DEFAULT_TABLE, 1.0, [raw.history[0][-1]])
+            raw.flush(timeout_ms=60_000)
+            raw.close()
+
+    def run(self):
+        if self._actor.actor_id == 0:
+            self._forge()
+        self._actor.run()
+
+    def stop(self):
+        self._actor.stop()
+
+
+def make_forging_actor(config, actor_id, replay_address, variables_address, run_dir=None,
+                       **kwargs):
+    engines = []
+    actor = builder.make_actor(config, actor_id, replay_address, variables_address, run_dir,
+                               wrap_engine=lambda e: engines.append(e) or e, **kwargs)
+    return ForgingActor(actor, replay_address, engines[0].tokenizer.vocab_size,
+                        config.max_sequence_length)
+
+
+make_program_with_forging_actor = functools.partial(builder.make_program,
+                                                    actor_factory=make_forging_actor)

@@ -111,3 +111,36 @@ def test_bad_rollouts_are_rejected_counted_and_do_not_reach_the_learner(warm_sta
     assert rejected.get("nonfinite_logp", 0) > 0 and rejected.get("token_out_of_range", 0) > 0
     for row in train:
         assert np.isfinite([row["policy_loss"], row["value_loss"], row["kl_rollout"]]).all()
+
+
+def test_items_forged_into_a_running_program_are_refused_counted_and_never_trained(warm_start,
+                                                                                    tmp_path):
+    """Anyone who reaches the replay port can insert items. Actor 0 inserts rollouts signed
+    with another secret, unsigned ones and raw non-rollouts into the running program's table
+    before its first real rollout (one actor: all of them are ahead of every real item in the
+    FIFO). The learner's reader refuses each with its reason, the learner trains only the
+    actor's real keys, and the run finishes."""
+    from program_fixtures import FORGERIES, FORGERY_REASONS, make_program_with_forging_actor
+
+    config = small_config(warm_start, tmp_path / "run", num_actors=1, max_steps=3,
+                          eval_every=0)
+    summary = run_program(config, make_program_with_forging_actor, progress=False)
+    train = check_run(config, summary)
+    expected = {}
+    for kind, n in FORGERIES.items():
+        expected[FORGERY_REASONS[kind]] = expected.get(FORGERY_REASONS[kind], 0) + n
+    # All forgeries precede the first real rollout, so the first step has read all of them.
+    for row in train:
+        refused = {k[len("refused_"):]: v for k, v in row.items()
+                   if k.startswith("refused_") and k != "refused_total" and v}
+        assert refused == expected, row
+        assert row["refused_total"] == sum(FORGERIES.values())
+    # Nothing forged was trained: every trained rollout is one of the actor's own keys (a
+    # trained forged key would be a training event without a consumed actor key).
+    from sao_actor_learner.accounting import rollout_accounting
+
+    accounting = rollout_accounting(config.run_dir)
+    trained = config.max_steps * config.batch_size
+    assert accounting["trained"] == summary["rollouts_trained"] == trained
+    assert accounting["consumed_twice"] == 0 and accounting["lost"] == 0, accounting
+    assert accounting["consumed"] == accounting["trained"] + accounting["dropped_stale"]
