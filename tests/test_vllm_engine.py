@@ -1,35 +1,46 @@
-"""VLLMEngine against a real vLLM server (`.venv-vllm`, CPU) serving a tiny locally built Llama.
+"""VLLMEngine against a real vLLM server (`.venv-vllm`, CPU) serving a tiny locally built Llama,
+and a tiny Hugging Face Qwen3 model directory (tests/hf_fixtures.py: BPE tokenizer, chat
+template, tied embeddings).
 
-One server is started per module (the `served` fixture); tests share it and load the weights they
-need first (an update takes ~0.05 s). The model's LM head is scaled up with the <eos> row zeroed,
-so <eos> is rarely sampled and long in-flight generations mostly run to their length limit.
+One server is started per model (the `served` and `served_qwen` fixtures); tests share it and
+load the weights they need first (an update takes ~0.05 s). The Llama's LM head is scaled up
+with the <eos> row zeroed, so <eos> is rarely sampled. The Llama server runs the tests' hold
+scheduler (vllm_server/hold_scheduler.py): the keep/abort tests hold every in-flight request
+at a known token count before the weight update, so they do not depend on machine speed.
 
-Run by `make test`, which builds `.venv-vllm` first (`make vllm-env`); skipped only when it is missing
-(a bare `pytest` without it).
+Run by `make test`, which builds `.venv-vllm` first (`make vllm-env`); skipped only when it is
+missing (a bare `pytest` without it).
 """
-import http.client
+import copy
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_fixtures  # noqa: E402
 import launch_fixtures as fx  # noqa: E402
 
 from sao_actor_learner.config import ConfigError, SAOConfig  # noqa: E402
-from sao_actor_learner.core import Engine, SamplingParams
-from sao_actor_learner.engines import VLLMEngine, VLLMServer, VLLMServerError
-from sao_actor_learner.engines.torch_engine import _top_p_logprobs
-from sao_actor_learner.engines.vllm_engine import SERVER_DIR, resolve_vllm_python
-from sao_actor_learner.engines.vllm_weights import push_weights
-from sao_actor_learner.engines.vllm_server import procs
-from sao_actor_learner.models import CharTokenizer, make_tiny_model, save_checkpoint
+from sao_actor_learner.core import Engine, SamplingParams  # noqa: E402
+from sao_actor_learner.distributions import nucleus_logprobs, sampling_logprobs  # noqa: E402
+from sao_actor_learner.engines import VLLMEngine, VLLMServer, VLLMServerError  # noqa: E402
+from sao_actor_learner.engines.vllm_engine import (SERVER_DIR,  # noqa: E402
+                                                   resolve_vllm_python)
+from sao_actor_learner.engines.vllm_server import procs  # noqa: E402
+from sao_actor_learner.engines.vllm_weights import push_weights  # noqa: E402
+from sao_actor_learner.models import CharTokenizer, make_tiny_model, save_checkpoint  # noqa: E402
+from sao_actor_learner.models.checkpoint import (load_policy,  # noqa: E402
+                                                 load_sync_state_dict, sync_state_dict)
+from sao_actor_learner.models.hf_tokenizer import HFTokenizer  # noqa: E402
 
 VLLM_PYTHON = resolve_vllm_python()
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON),
@@ -38,8 +49,11 @@ torch.set_num_threads(1)
 TOK = CharTokenizer()
 PROMPTS = [TOK.encode(t) for t in ["1+2=", "37+45=", "9", "(a,b): [x/y] <z>?", "12*3-4="]]
 ATOL = 1e-4          # vLLM log-probs vs a teacher-forced transformers forward (measured < 3e-5)
-LONG = 450           # tokens per in-flight request in the keep/abort tests
+LONG = 40            # tokens per in-flight request in the keep/abort tests
+HOLD = 8             # ... held (all of them) at this many tokens while the weights change
+IN_FLIGHT = 24       # requests in flight in the keep/abort tests
 MAX_POS = 512
+HOLD_SCHEDULER = ("--scheduler-cls", "vllm_server.hold_scheduler.HoldScheduler")
 
 
 def tiny_model(seed: int):
@@ -66,7 +80,7 @@ def served(tmp_path_factory):
     save_checkpoint(model, TOK, path)
     log = os.path.join(path, "vllm_server.log")
     engine = VLLMEngine.from_checkpoint(path, version=7, log_path=log, max_restarts=3,
-                                        start_timeout_s=400)
+                                        start_timeout_s=600, extra_args=HOLD_SCHEDULER)
     yield engine, model, {k: v.clone() for k, v in model.state_dict().items()}, log
     pid = engine.server.pid
     group = procs.group_pids(pid)
@@ -93,7 +107,7 @@ def teacher_forced(model, prompt, tokens, temperature=1.0, top_p=1.0):
         logits = model(input_ids=torch.tensor([list(prompt) + list(tokens)])).logits[0].float()
     logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
     if top_p < 1.0:
-        logp = _top_p_logprobs(logp, top_p)
+        logp = nucleus_logprobs(logp, top_p)
     return logp[len(prompt) - 1:-1].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
@@ -203,52 +217,45 @@ def test_bad_weights_are_rejected_and_the_server_keeps_serving(served, tmp_path)
     assert engine.counters["rejected_weight_updates"] >= len(bad)
 
 
-def _stream_until(engine, prompt, n_tokens: int):
-    """Opens a streaming generate request (a sentinel) and returns once it has n_tokens tokens.
-
-    vLLM schedules requests first come, first served and steps all running requests together,
-    so requests sent before the sentinel have sampled at least as many tokens by then."""
-    conn = http.client.HTTPConnection("127.0.0.1", engine.server.port, timeout=120)
-    conn.request("POST", "/inference/v1/generate", json.dumps({
-        "token_ids": prompt, "stream": True,
-        "sampling_params": {"max_tokens": MAX_POS - 8, "temperature": 1.0, "detokenize": False}}),
-        {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    seen = 0
-    while seen < n_tokens:
-        line = resp.readline().decode()
-        assert line, "the sentinel stream ended early"
-        if line.startswith("data:") and "[DONE]" not in line:
-            seen += len(json.loads(line[5:])["choices"][0].get("token_ids") or [])
-    return conn
-
-
-def _update_mid_flight(engine, model, old_state_dict, new_state_dict, n=24, attempts=6):
-    """Loads old_state_dict, starts n long generations, loads new_state_dict once they are all
-    running and have sampled a few tokens; returns (prompts, generations, old and new version).
-
-    On a busy machine the server's output can lag its engine so far that most generations end
-    before the update reaches them; then the attempt is repeated."""
+def _update_mid_flight(engine, model, old_state_dict, new_state_dict, tmp_path, n=IN_FLIGHT):
+    """Loads old_state_dict, starts n generations of LONG tokens and loads new_state_dict while
+    all n are held in flight (the server's hold scheduler: all n start in the same step and stop
+    after HOLD tokens, in lockstep, until the update's /resume); returns (prompts, generations,
+    old and new version). Deterministic: nothing races the update."""
     prompts = [TOK.encode(f"{i}+{i}=") for i in range(n)]
     params = SamplingParams(max_new_tokens=LONG, temperature=1.0, seed=0)
-    for _ in range(attempts):
-        old_version = load(engine, model, old_state_dict)
-        sent0 = engine.counters["sent"]
-        out = {}
-        worker = threading.Thread(target=lambda: out.update(g=engine.generate(prompts, params)))
-        worker.start()
-        deadline = time.time() + 60
-        while engine.counters["sent"] - sent0 < n and time.time() < deadline:
-            time.sleep(0.001)
-        time.sleep(0.01)  # the requests are sent; let the server take them in before the sentinel
-        sentinel = _stream_until(engine, TOK.encode("0+0="), 3)
-        new_version = load(engine, model, new_state_dict)
-        sentinel.close()
-        worker.join(timeout=300)
-        gens = out["g"]
-        if sum(new_version in g.versions for g in gens) >= n // 2:
-            return prompts, gens, old_version, new_version
-    pytest.fail(f"most generations finished before the update in all {attempts} attempts")
+    old_version = load(engine, model, old_state_dict)
+    signal_file = tmp_path / f"held_{uuid.uuid4().hex[:8]}.json"
+    engine.request_extra_args = {"sao_hold": {"group": signal_file.name, "size": n,
+                                              "tokens": HOLD, "signal_file": str(signal_file)}}
+    out = {}
+
+    def run():
+        try:
+            out["g"] = engine.generate(prompts, params)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    try:
+        deadline = time.time() + 300
+        while not signal_file.exists():
+            if not worker.is_alive() or time.time() > deadline:
+                engine.server.call("POST", "/resume")   # let anything still held finish
+                worker.join(timeout=120)
+                pytest.fail(f"the requests were never held: {out.get('error')!r}; server log "
+                            f"{engine.server.log_path}:\n{engine.server.log_tail()}")
+            time.sleep(0.01)
+        held = json.loads(signal_file.read_text())
+        assert held["held"] and held["requests"] == n and held["finished"] == 0, held
+        assert held["tokens"] == [HOLD] * n, held          # lockstep: all at HOLD tokens
+        new_version = load(engine, model, new_state_dict)   # ... resumes them
+    finally:
+        engine.request_extra_args = None
+    worker.join(timeout=300)
+    assert "error" not in out, out.get("error")
+    return prompts, out["g"], old_version, new_version
 
 
 def _check_length(g):
@@ -260,20 +267,20 @@ def _check_length(g):
         assert g.finish_reason == "stop" and g.tokens[-1] == TOK.eos_id and len(g.tokens) <= LONG
 
 
-def test_keep_mode_in_flight_requests_switch_weights_mid_generation(served):
+def test_keep_mode_in_flight_requests_switch_weights_mid_generation(served, tmp_path):
     engine, model, base, _ = served
     engine.weight_sync_mode = "keep"
     old_model = tiny_model(seed=3)
     old_model.load_state_dict(base)
     prompts, gens, old_version, new_version = _update_mid_flight(
-        engine, model, base, perturbed(base, seed=2))
-    switched = 0
+        engine, model, base, perturbed(base, seed=2), tmp_path)
+    assert len(gens) == IN_FLIGHT
     for p, g in zip(prompts, gens):
         _check_length(g)
-        assert set(g.versions) <= {old_version, new_version}
-        assert g.versions == sorted(g.versions)            # one switch at most, old then new
-        k = g.versions.count(old_version)
-        switched += 0 < k < len(g.tokens)
+        # Every request switched exactly once, old then new, after the HOLD tokens it had.
+        k = HOLD
+        assert len(g.tokens) > k
+        assert g.versions == [old_version] * k + [new_version] * (len(g.tokens) - k)
         # Tokens before the switch were sampled by the old weights, after it by the new ones
         # (with the KV of the whole prefix recomputed: no stale cache).
         lp = torch.tensor(g.logprobs)
@@ -281,24 +288,156 @@ def test_keep_mode_in_flight_requests_switch_weights_mid_generation(served):
                                    atol=ATOL, rtol=0)
         torch.testing.assert_close(lp[k:], teacher_forced(model, p, g.tokens)[k:],
                                    atol=ATOL, rtol=0)
-    assert switched >= len(prompts) // 2, f"only {switched} generations saw the switch"
 
 
-def test_abort_mode_in_flight_requests_restart_on_new_weights(served):
+def test_abort_mode_in_flight_requests_restart_on_new_weights(served, tmp_path):
     engine, model, base, _ = served
     engine.weight_sync_mode = "abort"
     resent0 = engine.counters["aborted_and_resent"]
     try:
         prompts, gens, _, new_version = _update_mid_flight(engine, model, base,
-                                                           perturbed(base, seed=3))
+                                                           perturbed(base, seed=3), tmp_path)
     finally:
         engine.weight_sync_mode = "keep"
-    assert engine.counters["aborted_and_resent"] - resent0 >= len(prompts) // 2
+    # Every request was in flight when the update aborted it, and was re-sent once.
+    assert engine.counters["aborted_and_resent"] - resent0 == len(prompts) == IN_FLIGHT
     for p, g in zip(prompts, gens):
         _check_length(g)
         assert g.versions == [new_version] * len(g.tokens)
         torch.testing.assert_close(torch.tensor(g.logprobs), teacher_forced(model, p, g.tokens),
                                    atol=ATOL, rtol=0)
+
+
+# --- a Hugging Face model directory: tiny Qwen3, BPE tokenizer, chat template, tied head -----
+CHATS = ["What is 2 plus 3?", "Hello there", "Say the number 7.", "Is 12 even? Answer yes or no."]
+
+
+@pytest.fixture(scope="module")
+def served_qwen(tmp_path_factory):
+    """(engine serving tests/hf_fixtures.tiny_qwen3 on version 0, the transformers model and its
+    tokenizer from load_policy, its sync state dict, the chat-template prompts)."""
+    path = hf_fixtures.tiny_qwen3(str(tmp_path_factory.mktemp("tiny_qwen3")))
+    model, tokenizer = load_policy(path)
+    engine = VLLMEngine.from_checkpoint(path, version=0, start_timeout_s=600,
+                                        log_path=os.path.join(path, "vllm_server.log"))
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    try:
+        yield engine, model, tokenizer, sync_state_dict(model), prompts
+    finally:
+        engine.close()
+
+
+def _qwen_load(engine, model, state_dict):
+    _VERSION[0] += 1
+    engine.load_weights(state_dict, _VERSION[0])
+    load_sync_state_dict(model, state_dict)
+    return _VERSION[0]
+
+
+def _qwen_logprobs(model, prompt, tokens, temperature=1.0, top_p=1.0):
+    """The learner's log-probs of `tokens` (sampling_logprobs of a teacher-forced forward)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([list(prompt) + list(tokens)])).logits[0]
+    logp = sampling_logprobs(logits, temperature if temperature > 0 else 1.0, top_p)
+    return logp[len(prompt) - 1:-1].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_a_hugging_face_model_directory_is_served_with_its_tokenizer(served_qwen):
+    engine, model, tokenizer, base, prompts = served_qwen
+    _qwen_load(engine, model, base)
+    assert isinstance(engine.tokenizer, HFTokenizer) and engine.tokenizer.bos_id is None
+    # Stop ids from generation_config.json: <|im_end|> (eos, ends the turn) and <|endoftext|>.
+    ids = tokenizer.hf.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert engine.tokenizer.stop_ids == tuple(ids) and engine.tokenizer.eos_id == ids[0]
+    assert all(p[-1] != ids[0] for p in prompts)   # ends with the assistant header
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=7,
+                                stop_token_ids=engine.tokenizer.stop_ids)
+        gens = engine.generate(prompts, params)
+        for p, g in zip(prompts, gens):
+            assert 0 < len(g.tokens) <= 12 and len(g.logprobs) == len(g.tokens)
+            if g.finish_reason == "stop":
+                assert g.tokens[-1] in ids and not set(g.tokens[:-1]) & set(ids)
+            else:
+                assert len(g.tokens) == 12 and not set(g.tokens) & set(ids)
+            torch.testing.assert_close(torch.tensor(g.logprobs),
+                                       _qwen_logprobs(model, p, g.tokens, temperature),
+                                       atol=ATOL, rtol=0)
+            if temperature == 0.0:   # greedy: each token is the argmax of the forward
+                with torch.no_grad():
+                    logits = model(input_ids=torch.tensor([list(p) + g.tokens])).logits[0]
+                assert logits[len(p) - 1:-1].argmax(-1).tolist() == g.tokens
+
+
+def test_a_sync_state_dict_update_follows_the_tied_head(served_qwen):
+    engine, model, tokenizer, base, prompts = served_qwen
+    assert "lm_head.weight" not in base and model.config.tie_word_embeddings
+    assert set(base) == set(engine.expected_weights)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=9,
+                            stop_token_ids=engine.tokenizer.stop_ids)
+    _qwen_load(engine, model, base)
+    g = torch.Generator().manual_seed(5)
+    new = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    ref = copy.deepcopy(model)
+    version = _qwen_load(engine, ref, new)          # accepted: no lm_head.weight needed
+    assert ref.lm_head.weight.data_ptr() == ref.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(ref.lm_head.weight, new["model.embed_tokens.weight"])
+    # The same update into an untied copy: new embedding, the old head.
+    stale_head = copy.deepcopy(model)
+    stale_head.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    stale_head.load_state_dict(new, strict=False)
+    after = engine.generate(prompts, params)
+    gaps = {"old weights": 0.0, "old head": 0.0}
+    for p, gen in zip(prompts, after):
+        assert gen.versions == [version] * len(gen.tokens)
+        lp = torch.tensor(gen.logprobs)
+        torch.testing.assert_close(lp, _qwen_logprobs(ref, p, gen.tokens), atol=ATOL, rtol=0)
+        for name, other in (("old weights", model), ("old head", stale_head)):
+            gaps[name] = max(gaps[name],
+                             float((lp - _qwen_logprobs(other, p, gen.tokens)).abs().max()))
+    assert min(gaps.values()) > 100 * ATOL, gaps   # vLLM's head followed the new embedding
+    _qwen_load(engine, model, base)
+
+
+def test_top_p_logprobs_are_the_learners_nucleus_logprobs(served_qwen):
+    """top_p=0.6: vLLM's processed log-probs equal sampling_logprobs(logits, T, 0.6) of the
+    same weights, so on-policy importance ratios are 1."""
+    engine, model, _, base, prompts = served_qwen
+    version = _qwen_load(engine, model, base)
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.6, seed=3,
+                            stop_token_ids=engine.tokenizer.stop_ids)
+    gens = engine.generate(prompts * 2, params)
+    for p, g in zip(prompts * 2, gens):
+        assert g.versions == [version] * len(g.tokens)
+        learner = _qwen_logprobs(model, p, g.tokens, 1.0, 0.6)
+        assert torch.isfinite(learner).all()        # every sampled token is in the nucleus
+        torch.testing.assert_close(torch.tensor(g.logprobs), learner, atol=ATOL, rtol=0)
+        ratio = torch.exp(learner - torch.tensor(g.logprobs))
+        torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=2 * ATOL, rtol=0)
+
+
+@pytest.mark.timeout(900)
+def test_a_whole_dataset_run_with_the_vllm_engine(tmp_path):
+    from sao_actor_learner.builder import make_program
+    from sao_actor_learner.observers import read_metrics
+    from sao_actor_learner.run import run_program
+
+    model = hf_fixtures.tiny_qwen3(str(tmp_path / "model"))
+    data = hf_fixtures.write_jsonl(str(tmp_path / "gsm.jsonl"), hf_fixtures.gsm_rows(16))
+    config = SAOConfig(task="dataset", model=model, train_files=(data,), eval_files=(data,),
+                       engine="vllm", max_steps=2, batch_size=4, actor_batch=4, num_actors=1,
+                       eval_size=4, eval_every=0, max_new_tokens=16, max_sequence_length=96,
+                       launch="local_mp", run_dir=str(tmp_path / "run"),
+                       vllm_start_timeout_s=600)
+    summary = run_program(config, make_program, progress=False)
+    assert summary["steps"] == 2 and summary["rollouts_trained"] == 8, summary
+    train = read_metrics(config.run_dir, "train")
+    assert [r["step"] for r in train] == [1, 2]
+    for row in train:
+        losses = {k: v for k, v in row.items() if k.endswith("_loss")}
+        assert "policy_loss" in losses and all(math.isfinite(v) for v in losses.values()), row
+    with open(os.path.join(config.run_dir, "logs", "vllm_actor_0.log")) as f:   # vLLM sampled
+        assert "=== sao: starting vLLM server" in f.read()
 
 
 # --- server failures -----------------------------------------------------------------------------
@@ -389,6 +528,9 @@ def test_server_stops_when_its_parent_is_killed(tmp_path, served):
 def test_server_code_imports_nothing_from_the_main_environment():
     code = ("import sys\n"
             "import vllm_server.weight_transfer as wt, vllm_server.worker_extension as we\n"
+            "import vllm_server.hold_scheduler as hs\n"
+            "from vllm.v1.core.sched.scheduler import Scheduler\n"
+            "assert issubclass(hs.HoldScheduler, Scheduler)\n"
             "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory\n"
             "assert wt.BACKEND_NAME in WeightTransferEngineFactory._registry\n"
             "assert not [m for m in sys.modules if m.startswith(('sao_actor_learner', 'absl',"

@@ -42,6 +42,13 @@ The sides run interleaved (sao, trl, trl_same_prompts, sao, ...) --repeats times
 0); TRL's training seed is the repeat index. TRL stops at the threshold or after
 --trl_time_budget_s of training ("not reached within X s"); SAO runs --sao_max_steps steps.
 The target: SAO's median time to threshold <= 1/3 of TRL's. Ends with one JSON line.
+
+Ratios (ratio_sao_over_trl, SAO's median time over the other side's) are
+{"value", "bound", "reason"} and never an error: value is the ratio when both sides reached the
+threshold after 0 s; a side that did not reach it, or the other side reaching it at 0 s (its
+step-0 evaluation already meets the threshold: no finite ratio), gives value null with the
+reason, plus an upper bound from TRL's budget when only TRL did not reach it. A threshold the
+warm start already meets makes the comparison vacuous (target_note says so).
 """
 from __future__ import annotations
 
@@ -63,38 +70,45 @@ TRL_SCRIPT = os.path.join(REPO, "programs", "benchmarks", "trl_grpo_arithmetic.p
 SAO_SCRIPT = os.path.join(REPO, "programs", "sao.py")
 
 FLAGS = flags.FLAGS
-flags.DEFINE_float("threshold", 0.9, "Held-out greedy accuracy to reach.")
-flags.DEFINE_list("also_thresholds", ["0.8"], "Lower thresholds also timed, from the same "
-                  "evaluation curves (TRL stops at --threshold, so they must be below it).")
-flags.DEFINE_integer("eval_every", 5, "Both sides evaluate every this many steps (and at 0).")
-flags.DEFINE_integer("eval_size", 200, "Held-out prompts.")
-flags.DEFINE_integer("rollouts_per_step", 32, "Rollouts per optimizer step, both sides.")
-flags.DEFINE_integer("repeats", 3, "Interleaved repeats of each side.")
-flags.DEFINE_string("init_checkpoint", "checkpoints/warm_start", "The shared warm start.")
-flags.DEFINE_integer("task_seed", 0, "The task's split seed (the warm start's; SAO's --seed).")
-flags.DEFINE_string("run_root", "runs/bench_vs_trl", "Run folders of both sides go under here.")
-# SAO
-flags.DEFINE_integer("sao_max_steps", 60, "SAO learner steps per run.")
-flags.DEFINE_integer("sao_num_actors", 2, "SAO actors.")
-flags.DEFINE_string("sao_launch", "local_mp", "SAO launcher.")
-flags.DEFINE_float("sao_policy_lr", 5e-5, "SAO policy learning rate (the project default).")
-flags.DEFINE_list("sao_extra_flags", [], "More programs/sao.py flags, e.g. --sao_extra_flags="
-                  "--critic_updates=1.")
-# TRL
-flags.DEFINE_string("trl_python", ".venv-trl/bin/python", "The TRL environment's python.")
-flags.DEFINE_list("trl_group_sizes", ["2", "4", "8"], "GRPO group sizes G to tune over.")
-flags.DEFINE_list("trl_lrs", ["3e-5", "5e-5", "1e-4"], "TRL learning rates to tune over (2e-4 "
-                  "and 1e-3 diverged in every trial).")
-flags.DEFINE_float("tune_budget_s", 15.0, "Training seconds of each TRL tuning run.")
-flags.DEFINE_integer("tune_seed", 100, "TRL training seed of the tuning runs.")
-flags.DEFINE_float("trl_time_budget_s", 60.0, "Training seconds (evaluation excluded) after "
-                   "which a TRL run stops: 'not reached within X s'.")
-flags.DEFINE_integer("trl_max_steps", 2000, "Step cap of a TRL run.")
-flags.DEFINE_bool("trl_same_prompts_variant", True, "Also run TRL with SAO's prompts per step "
-                  "(rollouts_per_step prompts x G).")
-flags.DEFINE_float("subprocess_timeout_s", 900.0, "A side's process running longer is an error.")
-flags.DEFINE_float("stall_timeout_s", 180.0, "An SAO run whose metrics.jsonl does not grow for "
-                   "this long (start-up included) is killed as stalled.")
+def define_flags() -> None:
+    """The command-line flags (defined only when run as a script: importing the module for its
+    pure functions defines nothing)."""
+    flags.DEFINE_float("threshold", 0.9, "Held-out greedy accuracy to reach.")
+    flags.DEFINE_list("also_thresholds", ["0.8"], "Lower thresholds also timed, from the same "
+                      "evaluation curves (TRL stops at --threshold, so they must be below it).")
+    flags.DEFINE_integer("eval_every", 5,
+                         "Both sides evaluate every this many steps (and at 0).")
+    flags.DEFINE_integer("eval_size", 200, "Held-out prompts.")
+    flags.DEFINE_integer("rollouts_per_step", 32, "Rollouts per optimizer step, both sides.")
+    flags.DEFINE_integer("repeats", 3, "Interleaved repeats of each side.")
+    flags.DEFINE_string("init_checkpoint", "checkpoints/warm_start", "The shared warm start.")
+    flags.DEFINE_integer("task_seed", 0,
+                         "The task's split seed (the warm start's; SAO's --seed).")
+    flags.DEFINE_string("run_root", "runs/bench_vs_trl",
+                        "Run folders of both sides go under here.")
+    # SAO
+    flags.DEFINE_integer("sao_max_steps", 60, "SAO learner steps per run.")
+    flags.DEFINE_integer("sao_num_actors", 2, "SAO actors.")
+    flags.DEFINE_string("sao_launch", "local_mp", "SAO launcher.")
+    flags.DEFINE_float("sao_policy_lr", 5e-5, "SAO policy learning rate (the project default).")
+    flags.DEFINE_list("sao_extra_flags", [], "More programs/sao.py flags, e.g. "
+                      "--sao_extra_flags=--critic_updates=1.")
+    # TRL
+    flags.DEFINE_string("trl_python", ".venv-trl/bin/python", "The TRL environment's python.")
+    flags.DEFINE_list("trl_group_sizes", ["2", "4", "8"], "GRPO group sizes G to tune over.")
+    flags.DEFINE_list("trl_lrs", ["3e-5", "5e-5", "1e-4"], "TRL learning rates to tune over "
+                      "(2e-4 and 1e-3 diverged in every trial).")
+    flags.DEFINE_float("tune_budget_s", 15.0, "Training seconds of each TRL tuning run.")
+    flags.DEFINE_integer("tune_seed", 100, "TRL training seed of the tuning runs.")
+    flags.DEFINE_float("trl_time_budget_s", 60.0, "Training seconds (evaluation excluded) after "
+                       "which a TRL run stops: 'not reached within X s'.")
+    flags.DEFINE_integer("trl_max_steps", 2000, "Step cap of a TRL run.")
+    flags.DEFINE_bool("trl_same_prompts_variant", True, "Also run TRL with SAO's prompts per "
+                      "step (rollouts_per_step prompts x G).")
+    flags.DEFINE_float("subprocess_timeout_s", 900.0,
+                       "A side's process running longer is an error.")
+    flags.DEFINE_float("stall_timeout_s", 180.0, "An SAO run whose metrics.jsonl does not grow "
+                       "for this long (start-up included) is killed as stalled.")
 
 
 def _side_env() -> Dict[str, str]:
@@ -196,7 +210,8 @@ def run_sao(name: str) -> Dict:
     rollouts = train[-1]["rollouts_trained"]
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
-    return _side_result("sao", name, curve, steps=train[-1]["step"], train_s=train_s,
+    return _side_result("sao", name, curve, FLAGS.threshold, FLAGS.also_thresholds,
+                        steps=train[-1]["step"], train_s=train_s,
                         rollouts=rollouts, tokens=tokens, proc=proc,
                         startup_s=learner_start - proc["t_launch"],
                         extra={"rollouts_generated": summary.get("rollouts_generated"),
@@ -231,7 +246,8 @@ def run_trl(name: str, group_size: int, lr: float, seed: int, budget_s: float,
     curve = [{"step": c["step"], "accuracy": c["accuracy"], "train_clock_s": c["train_clock_s"],
               "since_launch_s": round(c["time"] - proc["t_launch"], 3),
               "rollouts": c["rollouts"]} for c in out["eval_curve"]]
-    return _side_result("trl", name, curve, steps=out["steps"], train_s=out["train_clock_s"],
+    return _side_result("trl", name, curve, FLAGS.threshold, FLAGS.also_thresholds,
+                        steps=out["steps"], train_s=out["train_clock_s"],
                         rollouts=out["rollouts"], tokens=out["completion_tokens"], proc=proc,
                         startup_s=out["train_begin_time"] - proc["t_launch"],
                         extra={"group_size": group_size, "learning_rate": lr, "seed": seed,
@@ -242,10 +258,11 @@ def run_trl(name: str, group_size: int, lr: float, seed: int, budget_s: float,
                                "trl_version": out["versions"]["trl"]})
 
 
-def _side_result(side, name, curve, steps, train_s, rollouts, tokens, proc, startup_s, extra):
-    hit = _first_reached(curve, FLAGS.threshold)
+def _side_result(side, name, curve, threshold, also_thresholds, steps, train_s, rollouts, tokens,
+                 proc, startup_s, extra):
+    hit = _first_reached(curve, threshold)
     also = {}
-    for t in FLAGS.also_thresholds:
+    for t in also_thresholds:
         h = _first_reached(curve, float(t))
         also[f"time_to_{float(t):g}_s"] = h["train_clock_s"] if h else None
         also[f"time_to_{float(t):g}_incl_startup_s"] = h["since_launch_s"] if h else None
@@ -311,28 +328,128 @@ def _stats(values: List[Optional[float]]) -> Dict:
     return {"median": clean(med), "min": clean(min(vals)), "max": clean(max(vals))}
 
 
-def _also_keys() -> List[str]:
-    return [f"{k}_{float(t):g}{s}" for t in FLAGS.also_thresholds
+def _also_keys(also_thresholds) -> List[str]:
+    return [f"{k}_{float(t):g}{s}" for t in also_thresholds
             for k, s in (("time_to", "_s"), ("time_to", "_incl_startup_s"), ("steps_to", ""))]
 
 
-def aggregate(runs: List[Dict]) -> Dict:
+def aggregate(runs: List[Dict], also_thresholds=()) -> Dict:
     out = {"repeats": len(runs), "reached": sum(r["reached"] for r in runs)}
     for key in ("time_to_threshold_s", "time_to_threshold_incl_startup_s", "steps_to_threshold",
                 "rollouts_to_threshold", "rollouts_per_s", "tokens_per_s", "startup_s",
                 "final_accuracy", "best_accuracy", "initial_accuracy", "cpu_s", "train_s",
-                "steps", "step_s", *_also_keys()):
+                "steps", "step_s", *_also_keys(also_thresholds)):
         out[key] = _stats([r[key] for r in runs])
     return out
 
 
-def _ratio(ours: Optional[float], theirs: Optional[float], theirs_bound: float) -> Dict:
-    """ours / theirs; when theirs never reached the threshold, an upper bound from its budget."""
+def _ratio(ours: Optional[float], theirs: Optional[float],
+           theirs_bound: Optional[float]) -> Dict:
+    """SAO's time over the other side's, as {"value", "bound", "reason"}; never raises.
+
+      both reached, theirs > 0    value ours / theirs (4 decimals); bound and reason None.
+      theirs not reached          value None; bound "< ours / theirs_bound" (theirs would have
+                                  needed more than its budget), or None without a positive
+                                  budget; reason says so.
+      theirs reached at 0 s       value None, bound None: no finite ratio (its step-0
+                                  evaluation already met the threshold); reason says so.
+      ours not reached            value None, bound None; reason says so.
+    """
     if ours is None:
-        return {"value": None, "bound": None}
+        why = ("neither side reached the threshold" if theirs is None
+               else "SAO did not reach the threshold")
+        return {"value": None, "bound": None, "reason": why}
     if theirs is None:
-        return {"value": None, "bound": f"< {ours / theirs_bound:.3f}"}
-    return {"value": round(ours / theirs, 4), "bound": None}
+        if theirs_bound is None or theirs_bound <= 0:
+            return {"value": None, "bound": None,
+                    "reason": "TRL did not reach the threshold (no budget to bound it with)"}
+        return {"value": None, "bound": f"< {ours / theirs_bound:.3f}",
+                "reason": f"TRL did not reach the threshold within {theirs_bound:g} s"}
+    if theirs <= 0:
+        why = ("both sides reached the threshold at 0 s (their step-0 evaluations)" if ours <= 0
+               else "TRL reached the threshold at 0 s (its step-0 evaluation)")
+        return {"value": None, "bound": None, "reason": why}
+    return {"value": round(ours / theirs, 4), "bound": None, "reason": None}
+
+
+def _ratio_text(r: Dict) -> str:
+    if r["value"] is not None:
+        return f"{r['value']}"
+    return f"{r['bound']} ({r['reason']})" if r["bound"] else f"n/a ({r['reason']})"
+
+
+def target_met(ours: Optional[float], theirs: Optional[float], budget: float,
+               target: float = 1 / 3) -> bool:
+    """SAO's time to threshold <= target x TRL's (no division). TRL not reached: SAO within
+    target x TRL's budget. SAO not reached: not met. Both at 0 s (the warm start already meets
+    the threshold) is met, vacuously: 0 <= 0; the JSON's target_note says so."""
+    if ours is None:
+        return False
+    return ours <= target * (budget if theirs is None else theirs)
+
+
+def summarize(sides: Dict[str, List[Dict]], budget: float, also_thresholds=()) -> Dict:
+    """Aggregates of each side, ratios of SAO over every other side, and the target (SAO vs
+    "trl"); pure: any mix of reached at step 0, later or never."""
+    agg = {side: aggregate(runs, also_thresholds) for side, runs in sides.items()}
+    ratios = {}
+    for other in [s for s in sides if s != "sao"]:
+        ratios[other] = {
+            "time_to_threshold": _ratio(agg["sao"]["time_to_threshold_s"]["median"],
+                                        agg[other]["time_to_threshold_s"]["median"], budget),
+            "time_to_threshold_incl_startup": _ratio(
+                agg["sao"]["time_to_threshold_incl_startup_s"]["median"],
+                agg[other]["time_to_threshold_incl_startup_s"]["median"], budget),
+            **{f"time_to_{float(t):g}": _ratio(agg["sao"][f"time_to_{float(t):g}_s"]["median"],
+                                               agg[other][f"time_to_{float(t):g}_s"]["median"],
+                                               budget) for t in also_thresholds},
+        }
+    ours = agg["sao"]["time_to_threshold_s"]["median"]
+    theirs = agg["trl"]["time_to_threshold_s"]["median"] if "trl" in agg else None
+    note = None
+    if theirs is not None and theirs <= 0:
+        note = ("TRL met the threshold at its step-0 evaluation: the comparison is vacuous; "
+                "use a --threshold above the warm start's accuracy")
+    return {"summary": agg, "ratios": ratios, "target_met": target_met(ours, theirs, budget),
+            "target_note": note}
+
+
+def _table_rows(also_thresholds) -> List:
+    return [("time to threshold (s, training)", "time_to_threshold_s", 2, True),
+            ("time to threshold (s, incl. start-up)", "time_to_threshold_incl_startup_s", 1,
+             False),
+            ("steps to threshold", "steps_to_threshold", 0, False),
+            ("rollouts to threshold", "rollouts_to_threshold", 0, False),
+            *[row for t in also_thresholds for row in (
+                (f"time to {float(t):g} (s, training)", f"time_to_{float(t):g}_s", 2, True),
+                (f"time to {float(t):g} (s, incl. start-up)",
+                 f"time_to_{float(t):g}_incl_startup_s", 1, False),
+                (f"steps to {float(t):g}", f"steps_to_{float(t):g}", 0, False))],
+            ("rollouts/s (training)", "rollouts_per_s", 0, False),
+            ("tokens/s (generated, training)", "tokens_per_s", 0, False),
+            ("seconds per step (training)", "step_s", 3, False),
+            ("start-up (s)", "startup_s", 1, False),
+            ("initial accuracy", "initial_accuracy", 3, False),
+            ("final accuracy", "final_accuracy", 3, False),
+            ("steps run", "steps", 0, False),
+            ("CPU seconds (process tree)", "cpu_s", 1, False)]
+
+
+def table(result: Dict, names: Dict[str, str], budget: float, also_thresholds=()) -> str:
+    """The human-readable table of `summarize`'s result (one string, no JSON in it)."""
+    agg = result["summary"]
+    width = 40
+    lines = [f"{'':{width}}" + "".join(f"{names[s]:>30}" for s in agg)]
+    for label, key, digits, budgeted in _table_rows(also_thresholds):
+        lines.append(f"{label:{width}}" + "".join(
+            f"{_fmt(agg[s][key], digits, budget if budgeted and s != 'sao' else None):>30}"
+            for s in agg))
+    for other, r in result["ratios"].items():
+        lines.append(f"SAO / {names[other]}: " + "; ".join(
+            f"{k.replace('_', ' ')} {_ratio_text(v)}" for k, v in r.items()))
+    if result["target_note"]:
+        lines.append(f"note: {result['target_note']}")
+    return "\n".join(lines)
 
 
 def _fmt(stats: Dict, digits: int = 2, budget: Optional[float] = None) -> str:
@@ -387,60 +504,16 @@ def main(argv):
                   if r["reached"] else f"not reached (best {r['best_accuracy']:.3f})")
                   + f"; {r['rollouts_per_s']:.0f} rollouts/s", flush=True)
 
-    agg = {side: aggregate(runs) for side, runs in sides.items()}
     budget = FLAGS.trl_time_budget_s
-    ratios = {}
-    for other in [s for s in sides if s != "sao"]:
-        ratios[other] = {
-            "time_to_threshold": _ratio(agg["sao"]["time_to_threshold_s"]["median"],
-                                        agg[other]["time_to_threshold_s"]["median"], budget),
-            "time_to_threshold_incl_startup": _ratio(
-                agg["sao"]["time_to_threshold_incl_startup_s"]["median"],
-                agg[other]["time_to_threshold_incl_startup_s"]["median"], budget),
-            **{f"time_to_{float(t):g}": _ratio(agg["sao"][f"time_to_{float(t):g}_s"]["median"],
-                                               agg[other][f"time_to_{float(t):g}_s"]["median"],
-                                               budget) for t in FLAGS.also_thresholds},
-        }
-    main_ratio = ratios["trl"]["time_to_threshold"]
-    if main_ratio["value"] is not None:
-        target_met = main_ratio["value"] <= 1 / 3
-    else:   # TRL never reached it: met when SAO did within a third of TRL's budget
-        target_met = agg["sao"]["time_to_threshold_s"]["median"] is not None and \
-            agg["sao"]["time_to_threshold_s"]["median"] <= budget / 3
-
-    rows = [("time to threshold (s, training)", "time_to_threshold_s", 2, budget),
-            ("time to threshold (s, incl. start-up)", "time_to_threshold_incl_startup_s", 1, None),
-            ("steps to threshold", "steps_to_threshold", 0, None),
-            ("rollouts to threshold", "rollouts_to_threshold", 0, None),
-            *[row for t in FLAGS.also_thresholds for row in (
-                (f"time to {float(t):g} (s, training)", f"time_to_{float(t):g}_s", 2, budget),
-                (f"time to {float(t):g} (s, incl. start-up)",
-                 f"time_to_{float(t):g}_incl_startup_s", 1, None),
-                (f"steps to {float(t):g}", f"steps_to_{float(t):g}", 0, None))],
-            ("rollouts/s (training)", "rollouts_per_s", 0, None),
-            ("tokens/s (generated, training)", "tokens_per_s", 0, None),
-            ("seconds per step (training)", "step_s", 3, None),
-            ("start-up (s)", "startup_s", 1, None),
-            ("initial accuracy", "initial_accuracy", 3, None),
-            ("final accuracy", "final_accuracy", 3, None),
-            ("steps run", "steps", 0, None),
-            ("CPU seconds (process tree)", "cpu_s", 1, None)]
+    summary = summarize(sides, budget, FLAGS.also_thresholds)
     names = {"sao": "SAO (ours)", "trl": f"TRL GRPO {FLAGS.rollouts_per_step // g}x{g}",
              "trl_same_prompts": f"TRL GRPO {FLAGS.rollouts_per_step}x{g}"}
-    width = 40
     print(f"\nthreshold {FLAGS.threshold} held-out greedy accuracy; median [min, max] of "
           f"{FLAGS.repeats} interleaved repeats; load average {load_start[0]:.2f} at start, "
           f"{os.getloadavg()[0]:.2f} at end")
-    print(f"{'':{width}}" + "".join(f"{names[s]:>30}" for s in sides))
-    for label, key, digits, bud in rows:
-        print(f"{label:{width}}" + "".join(
-            f"{_fmt(agg[s][key], digits, bud if s != 'sao' else None):>30}" for s in sides))
-    for other, r in ratios.items():
-        print(f"SAO / {names[other]}: " + "; ".join(
-            f"{k.replace('_', ' ')} {v['value'] if v['value'] is not None else v['bound']}"
-            for k, v in r.items()))
+    print(table(summary, names, budget, FLAGS.also_thresholds))
     print(f"target (SAO <= 1/3 of TRL's time to threshold): "
-          f"{'met' if target_met else 'NOT met'}; TRL tuned to G={g}, lr={lr:g}")
+          f"{'met' if summary['target_met'] else 'NOT met'}; TRL tuned to G={g}, lr={lr:g}")
 
     result = {
         "benchmark": "vs_trl", "threshold": FLAGS.threshold, "eval_every": FLAGS.eval_every,
@@ -448,8 +521,9 @@ def main(argv):
         "repeats": FLAGS.repeats, "trl_time_budget_s": budget,
         "trl_tuned": {"group_size": g, "learning_rate": lr, "runs": tuned["runs"]},
         "sao_policy_lr": FLAGS.sao_policy_lr,
-        "summary": agg, "ratio_sao_over_trl": ratios, "target_ratio": 1 / 3,
-        "target_met": target_met,
+        "summary": summary["summary"], "ratio_sao_over_trl": summary["ratios"],
+        "target_ratio": 1 / 3, "target_met": summary["target_met"],
+        "target_note": summary["target_note"],
         "runs": {side: [{k: v for k, v in r.items() if k != "eval_curve"} | {
             "eval_curve": [(c["step"], c["accuracy"], c["train_clock_s"]) for c in r["eval_curve"]]}
             for r in runs] for side, runs in sides.items()},
@@ -460,4 +534,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -120,6 +120,9 @@ class VLLMEngine(core.Engine):
         self._max_restarts = int(max_restarts)
         self._request_timeout_s = float(request_timeout_s)
         self.tokenizer = None  # set by from_checkpoint
+        # vLLM SamplingParams.extra_args sent with every generate request (None: none), for
+        # server-side hooks, e.g. the tests' hold scheduler (vllm_server/hold_scheduler.py).
+        self.request_extra_args: Optional[dict] = None
         # sent: generate requests sent (re-sends included); in_flight: sent, not answered yet;
         # requests / tokens: answered requests and their tokens.
         self.counters: Dict[str, float] = {"requests": 0, "tokens": 0, "weight_updates": 0,
@@ -343,6 +346,8 @@ class VLLMEngine(core.Engine):
                     "stop_token_ids": stop_ids, "detokenize": False}
         if seed is not None:
             sampling["seed"] = seed
+        if self.request_extra_args:
+            sampling["extra_args"] = dict(self.request_extra_args)
         body = {"token_ids": prompt, "sampling_params": sampling, "output_mode": "tokens"}
         failures = 0
         while True:

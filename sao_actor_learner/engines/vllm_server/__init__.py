@@ -15,6 +15,9 @@ are never imported there.
   worker_extension.py  `SAOWorkerExtension` (`--worker-extension-cls`): registers that backend in
                        every worker process and reports the served checkpoint's parameter names,
                        shapes and dtypes (`collective_rpc` method `sao_expected_weights`).
+  hold_scheduler.py    a test hook, never on by default (`--scheduler-cls
+                       vllm_server.hold_scheduler.HoldScheduler`): holds a group of requests
+                       at a known token count so a weight update provably lands mid-flight.
   procs.py             standard library only: stops the server's process group and unlinks the
                        /dev/shm files it mapped. The one module the main environment imports too
                        (`vllm_engine.VLLMServer.stop`).

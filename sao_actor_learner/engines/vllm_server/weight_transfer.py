@@ -20,6 +20,14 @@ vLLM's layer-wise reload with parameters on the meta device (a dead engine). Onl
 run vLLM's layer-wise reload (initialize, `model.load_weights`, finalize), which re-runs each
 layer's `process_weights_after_loading` so fused (qkv_proj, gate_up_proj) and repacked CPU
 kernel weights are rebuilt from the Hugging Face names.
+
+Tied weights (`tie_word_embeddings`: the LM head IS embed_tokens' weight, and no lm_head.weight
+is sent): the reload processes only the layer that loads the tensor (vLLM's layer-wise reload,
+limitation 2), and on CPU the head's processing packs its weight for the logits GEMM
+(`dispatch_cpu_unquantized_gemm`, a oneDNN / sgl-kernel copy). Without more, the head would keep
+computing logits from the OLD packed weight while the embedding moved on. `reprocess_tied_layers`
+re-runs that processing for every unquantized embedding or head sharing its weight with another
+layer (on GPU that processing does nothing).
 """
 from __future__ import annotations
 
@@ -163,11 +171,35 @@ def _make_engine_class():
             initialize_layerwise_reload(self.model)
             self.model.load_weights(iter(tensors.items()))
             finalize_layerwise_reload(self.model, self.model_config)
+            reprocess_tied_layers(self.model)
 
         def shutdown(self) -> None:
             pass
 
     return SharedMemoryFileWeightTransferEngine
+
+
+def reprocess_tied_layers(model: torch.nn.Module) -> int:
+    """Re-runs `process_weights_after_loading` of each unquantized embedding / LM head whose
+    weight is shared with another layer (tied embeddings), so processed copies of it (CPU's
+    packed logits GEMM) follow the weight a reload just wrote; returns how many it re-ran."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    owners: Dict[Tuple[int, int], List[torch.nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if param.numel() and not param.is_meta:
+                owners.setdefault((param.data_ptr(), param.numel()), []).append(module)
+    done = 0
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, UnquantizedEmbeddingMethod):
+                method.process_weights_after_loading(module)
+                done += 1
+    return done
 
 
 def register() -> None:
