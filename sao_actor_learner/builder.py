@@ -123,7 +123,8 @@ def launch_options(config: SAOConfig) -> dict:
     if config.learners > 1 and "learner" in restart:   # a group of ranks dies and comes back whole
         restart["learner"] = dataclasses.replace(policy, together=True)
         restart["learner_store"] = policy   # a fresh store: the ranks fail and re-join it
-    options = {"restart": restart, "bind_host": config.bind_host}
+    options = {"restart": restart, "bind_host": config.bind_host,
+               "service_timeout_s": config.service_timeout_s}
     if config.launch == "ray":
         options["ray_address"] = config.ray_address or None
         options["resources"] = parse_ray_resources(config.ray_resources)

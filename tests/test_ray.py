@@ -186,3 +186,24 @@ def test_sao_run_on_ray_survives_kill_9_of_an_actor(warm_start, tmp_path):
     assert all(n["ray_actor_id"] and n["host"] for n in nodes.values())
     assert [r["step"] for r in read_metrics(run_dir, "train")] == list(range(1, 9))
     assert 8 in {r["policy_version"] for r in read_metrics(run_dir, "eval")}
+
+
+def test_sao_run_on_ray_with_a_two_rank_learner_group(warm_start, tmp_path):
+    """--learners=2 on Ray: both ranks are Ray actors that rendezvous through the learner_store
+    node, train every version in order within the staleness bound, and rank 0 alone publishes
+    (the evaluator sees the last version)."""
+    config = SAOConfig(init_checkpoint=warm_start, run_dir=str(tmp_path / "run"), launch="ray",
+                       max_steps=6, batch_size=8, num_actors=1, actor_batch=4, max_staleness=2,
+                       learners=2, eval_every=0, eval_size=8)
+    summary = run_program(config, make_program, progress=False)
+    assert summary["steps"] == 6 and summary["rollouts_trained"] == 6 * 8
+    nodes = ff.nodes_json(config.run_dir)
+    assert {"learner_0", "learner_1", "learner_store_0"} <= set(nodes), sorted(nodes)
+    assert nodes["learner_0"]["ray_actor_id"] != nodes["learner_1"]["ray_actor_id"]
+    assert all(n["status"] == "finished" for n in nodes.values()), nodes
+    train = read_metrics(config.run_dir, "train")
+    assert [r["step"] for r in train] == list(range(1, 7))
+    for row in train:
+        assert row["policy_version"] == row["step"] and row["learners"] == 2
+        assert row["staleness_max"] <= config.max_staleness
+    assert 6 in {r["policy_version"] for r in read_metrics(config.run_dir, "eval")}

@@ -372,6 +372,9 @@ class LaunchConfig(Section):
     max_restarts: int = option(3, "Restarts per node; one crash more fails the run.")
     restart_backoff_s: float = option(1.0, "Wait before a node's first restart; doubles per "
                                       "restart (at most 30 s).")
+    service_timeout_s: float = option(300.0, "How long a service node (replay, variables) may "
+                                      "take to accept connections; importing TensorFlow takes "
+                                      "minutes on a loaded machine.")
     resume: bool = option(False, "Continue the run in run_dir (checkpoints, journal, replay, "
                           "spools); otherwise they are cleared first.")
     bind_host: str = option("127.0.0.1", "Interface the variable server binds; another needs "
@@ -388,6 +391,8 @@ class LaunchConfig(Section):
             fail(f"max_restarts={self.max_restarts}: must be >= 0 (0: a crash fails the run)")
         if self.restart_backoff_s < 0:
             fail(f"restart_backoff_s={self.restart_backoff_s}: must be >= 0 seconds")
+        if self.service_timeout_s <= 0:
+            fail(f"service_timeout_s={self.service_timeout_s}: must be > 0 seconds")
         try:
             parse_ray_resources(self.ray_resources)
         except ValueError as e:
