@@ -23,7 +23,10 @@ import sys
 
 from absl import app, flags
 
-from sao_actor_learner import sweeps
+# Runnable as a script from the repository root without installation (programs.sweeps).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from programs import sweeps  # noqa: E402
 from sao_actor_learner.builder import make_program
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.flags import config_from_flags, define_flags_from_dataclass

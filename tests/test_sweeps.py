@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sao_actor_learner import sweeps
+from programs import sweeps
 from sao_actor_learner.observers import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

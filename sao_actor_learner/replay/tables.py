@@ -1,4 +1,4 @@
-"""The replay table and the Reverb server that hosts it (SAO.md section 6).
+"""The replay table and the Reverb server that hosts it (docs/METHOD.md section 9).
 
 The table is a bounded FIFO queue of rollouts: every rollout is sampled exactly once, in insertion
 order, and the rate limiter blocks inserts while `queue_capacity` rollouts wait. That bound is one
