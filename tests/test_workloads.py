@@ -239,3 +239,26 @@ def test_sft_steps_reduce_the_loss_and_evaluate_runs(tiny_lm):
     assert result["length_max"] <= 6
     assert chat_sft.extract_answer("so 3 + 4 = 7.\n#### 1,234 then #### -5") == "-5"
     assert chat_sft.extract_answer("no answer") is None
+
+
+def test_sft_dataset_writes_a_model_directory_sao_can_start_from(tiny_model_dirs, tmp_path):
+    """programs/sft_dataset.py end to end on tiny files: the written directory reloads with
+    AutoModelForCausalLM/AutoTokenizer, its weights moved, and warm_start.json has the
+    held-out numbers of the problems it evaluated."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    data, out = str(tmp_path / "data"), str(tmp_path / "warm")
+    run_program("make_dataset.py", f"--out_dir={data}", "--num_train=40", "--num_test=10")
+    run_program("sft_dataset.py", f"--model={tiny_model_dirs[0]}",
+                f"--sft_files={data}/sft.jsonl", f"--eval_files={data}/test.parquet",
+                f"--out_dir={out}", "--steps=3", "--batch_size=4", "--eval_size=4",
+                "--max_new_tokens=8", "--threads=1")
+    with open(os.path.join(out, "warm_start.json")) as f:
+        report = json.load(f)
+    assert report["num_problems"] == 4 and 0 <= report["greedy_accuracy"] <= 1
+    assert report["settings"]["steps"] == 3 and report["length_max"] <= 8
+    before = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[0])
+    after = AutoModelForCausalLM.from_pretrained(out)
+    assert len(AutoTokenizer.from_pretrained(out)) == len(
+        AutoTokenizer.from_pretrained(tiny_model_dirs[0]))
+    assert not torch.equal(before.model.embed_tokens.weight, after.model.embed_tokens.weight)
