@@ -123,7 +123,7 @@ def _eval_back(group):
 
 
 def plot(rows, shift_every, max_steps, eval_every, path, title):
-    plt = sweeps._pyplot()
+    plt = sweeps.pyplot()
     rows = [r for r in rows if r.get("status") == "ok"]
     groups = {}
     for r in rows:

@@ -75,10 +75,11 @@ class Cell:
     seed: int
     staleness_mode: str = "limit"       # limit: max_staleness only; forced: exactly k stale
     extra: Tuple[Tuple[str, object], ...] = ()   # further config overrides, e.g. pretrain steps
+    tag: str = ""    # names the extras in the folder name instead of spelling them out
 
     @property
     def name(self) -> str:
-        extra = "".join(f"_{k}{v}" for k, v in self.extra)
+        extra = f"_{self.tag}" if self.tag else "".join(f"_{k}{v}" for k, v in self.extra)
         mode = "k" if self.staleness_mode == "forced" else "eta"
         return f"{self.method}_{self.shape}_{mode}{self.max_staleness}{extra}_seed{self.seed}"
 
@@ -229,11 +230,13 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 
 def run_cells(cells: Sequence[Cell], base: SAOConfig, out_dir: str, run_fn: Callable,
               progress: bool = True, csv_name: str = "results.csv",
-              out=sys.stdout) -> List[Dict]:
+              out=sys.stdout, record_name: str = "sweep.json") -> List[Dict]:
     """Runs every cell not already finished; returns one row per cell (results.csv order).
 
     run_fn(config) -> summary (run.run_program with a program factory bound). A cell that fails
-    gets a row with status "failed: ..." and is tried again by the next invocation.
+    gets a row with status "failed: ..." and is tried again by the next invocation. csv_name and
+    record_name (the sweep's cells and base config) are paths under out_dir, so several sweeps
+    can share one out_dir and so reuse each other's finished cells.
     """
     os.makedirs(out_dir, exist_ok=True)
     rows: List[Dict] = []
@@ -274,7 +277,7 @@ def run_cells(cells: Sequence[Cell], base: SAOConfig, out_dir: str, run_fn: Call
     if progress:
         out.write(f"[{_bar(1, 1)}] {len(cells)} cells ({ran} run now) in "
                   f"{time.time() - t0:.0f}s; results in {os.path.join(out_dir, csv_name)}\n")
-    write_json_atomic(os.path.join(out_dir, "sweep.json"),
+    write_json_atomic(os.path.join(out_dir, record_name),
                       {"cells": [c.name for c in cells], "base_config": json.loads(base.to_json()),
                        "wall_time_s": time.time() - t0, "cells_run_now": ran})
     return rows
@@ -331,7 +334,7 @@ def save_figure(fig, path: str, title: str = "") -> str:
     return path
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -379,7 +382,7 @@ def plot_reward_curves(rows: Sequence[Dict], path: str, title: str = "",
                        smooth: int = 3) -> str:
     """Training reward vs step, one panel per staleness setting, one line per method x shape
     (mean over seeds, moving average over `smooth` steps)."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = _ok(rows)
     etas = sorted({int(r["max_staleness"]) for r in rows})
     fig, axes = plt.subplots(1, max(len(etas), 1), figsize=(4.2 * max(len(etas), 1), 3.4),
@@ -405,7 +408,7 @@ def plot_reward_curves(rows: Sequence[Dict], path: str, title: str = "",
 def plot_drift_vs_staleness(rows: Sequence[Dict], path: str, title: str = "") -> str:
     """KL(rollout || current), masked fraction, ESS and final held-out accuracy against the
     staleness setting, one line per method x shape (mean over seeds)."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = _ok(rows)
     panels = (("mean_kl", "KL(rollout || current)"), ("mean_masked_frac", "masked fraction"),
               ("mean_ess", "ESS"), ("final_eval_accuracy", "final held-out accuracy"))

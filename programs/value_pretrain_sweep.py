@@ -71,7 +71,7 @@ def add_pretrain_columns(rows):
 
 
 def plot(rows, path, title):
-    plt = sweeps._pyplot()
+    plt = sweeps.pyplot()
     rows = [r for r in rows if r.get("status") == "ok"]
     by_steps = {}
     for r in rows:

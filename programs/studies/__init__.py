@@ -1,0 +1,1 @@
+"""The reproduction study's presets, statistics and plots (programs/study.py)."""

@@ -1,0 +1,223 @@
+"""The reproduction study: the paper's claims and the referee's points, with seeds and 95% CIs.
+
+  python programs/study.py --preset=all --out_dir=runs/study --results_dir=results   # ~3 h
+  python programs/study.py --preset=single_rollout --out_dir=runs/study --results_dir=results
+  python programs/study.py --preset=smoke --out_dir=/tmp/study                        # ~1 min
+
+Presets (programs/studies/presets.py):
+  single_rollout  SAO B x 1; GRPO (B/G) x G (same rollouts per step); GRPO B x G (same
+                  distinct prompts); critic-free B x 1 with a running-mean baseline (the
+                  referee's control); SAO (B/G) x G. Held-out accuracy vs steps, rollouts and
+                  wall-clock.
+  asynchrony      forced staleness k in {0, 2, 4, 8} for SAO, GRPO (PPO-clip), GRPO + DIS:
+                  final accuracy, KL, masked fraction, ESS, collapse and its step.
+  ablations       DIS / PPO-clip / TIS / no correction (at k = 4); frozen-attention vs full
+                  critic; K = 1 vs 2.
+  gae             skip-observation vs standard GAE on the multi-turn calculator_tool task.
+  value_pretrain  explained variance and accuracy vs value_pretrain_steps.
+  online_shift    task=online_shift, the reward rule flips every 40 versions: steps to
+                  recover 75% of the pre-shift held-out accuracy, per method.
+  all             the six above, in that order (cells two studies share run once).
+  smoke           2 variants x 3 seeds x 2 steps on the arithmetic task: output format only.
+A comma-separated list of study names also works.
+
+The dataset studies need the GSM8K-style workload: data/gsm_tiny/{train,test}.parquet and the
+SFT warm start checkpoints/warm_start_dataset (the Makefile's dataset workload target; other
+paths: --dataset_dir, --dataset_model); the gae study checkpoints/warm_start_calculator_tool
+(`make warm-start-calculator-tool`); online_shift and smoke the arithmetic warm start.
+Every other SAOConfig field is a flag; a flag given on the command line applies to every run
+of every study named (and so makes new cells).
+
+Resumable: every run is a folder <out_dir>/runs/<cell> and a cell whose folder holds a
+summary.json made by the same config is never run again, whichever study asked for it; run the
+same command again after an interruption. Outputs per study in <out_dir>/<study>/ (copied to
+<results_dir>/<study>/): results.csv, curves.csv, summary.csv, comparisons.csv, summary.md,
+study.json (sizes, durations of every invocation), invocations.jsonl and PNG figures
+(programs/studies/presets.py and plots.py describe them).
+"""
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+# Runnable as a script from the repository root without installation (programs.*).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from programs import sweeps  # noqa: E402
+from programs.studies import plots as study_plots  # noqa: E402
+from programs.studies import presets as studies  # noqa: E402
+from sao_actor_learner.builder import make_program  # noqa: E402
+from sao_actor_learner.config import ConfigError, SAOConfig  # noqa: E402
+from sao_actor_learner.flags import config_from_flags, define_flags_from_dataclass  # noqa: E402
+from sao_actor_learner.preflight import check_before_launch  # noqa: E402
+from sao_actor_learner.run import run_program  # noqa: E402
+
+# Each cell sets these (sweeps.Cell.config).
+GRID_FIELDS = ("algorithm", "policy_loss", "batch_size", "group_size", "max_staleness",
+               "forced_staleness", "seed", "run_dir")
+define_flags_from_dataclass(SAOConfig, skip=GRID_FIELDS)
+flags.DEFINE_string("preset", "all", "A study (" + ", ".join(studies.STUDIES) + "), a comma-"
+                    "separated list of them, or all.")
+flags.DEFINE_string("out_dir", "runs/study", "Where runs/ and each study's outputs go.")
+flags.DEFINE_string("results_dir", "", "Also copy each study's CSV, JSON, Markdown and PNG "
+                    "files to <results_dir>/<study>/ (e.g. results).")
+flags.DEFINE_list("seeds", [], "Seeds of every study (default: the study's own, 3 of them).")
+flags.DEFINE_string("dataset_dir", studies.DATASET_DIR, "The dataset studies' data: "
+                    "train.parquet and test.parquet in verl's schema.")
+flags.DEFINE_string("dataset_model", studies.DATASET_MODEL, "The dataset studies' warm start "
+                    "(a Hugging Face model directory).")
+flags.DEFINE_bool("progress", True, "Show progress.")
+FLAGS = flags.FLAGS
+
+
+def study_names(preset: str):
+    names = list(studies.FULL) if preset == "all" else [n.strip() for n in preset.split(",")]
+    for n in names:
+        if n not in studies.STUDIES:
+            raise ConfigError(f"preset={n!r}: must be one of {', '.join(studies.STUDIES)} or all")
+    return names
+
+
+def base_config(base_overrides) -> SAOConfig:
+    """The study's workload, under every flag given on the command line."""
+    base_overrides = studies.with_dataset(base_overrides, FLAGS.dataset_dir, FLAGS.dataset_model)
+    overrides = {k: v for k, v in base_overrides if not FLAGS[k].present}
+    return config_from_flags(SAOConfig, **overrides)
+
+
+def plan(study):
+    """[(base config, [(variant, cell, config)])] per workload of the study; every config is
+    built (and so validated) before anything runs."""
+    groups = {}
+    for variant, cell in studies.cells_of(study):
+        groups.setdefault(studies.base_of(study, variant), []).append((variant, cell))
+    out = []
+    for base_overrides, pairs in groups.items():
+        base = base_config(base_overrides)
+        out.append((base, [(v, c, c.config(base, FLAGS.out_dir)) for v, c in pairs]))
+    return out
+
+
+def check_names(plans) -> None:
+    """Two cells with one folder must be one config (else each would rerun the other)."""
+    seen = {}
+    for base, items in plans:
+        for _, cell, config in items:
+            other = seen.setdefault(config.run_dir, config)
+            if other != config:
+                raise ConfigError(f"two different runs would share {config.run_dir}: give one "
+                                  "of their variants its own tag (studies.Variant.tag)")
+
+
+def code_version() -> dict:
+    """The commit the runs were made with, and how many files differed from it."""
+    import subprocess
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                                  cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    status = git("status", "--short", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"),
+            "modified_files": len(status.splitlines()) if status else 0}
+
+
+def run_study(study, plans, earlier_cells) -> dict:
+    out = studies.study_dir(FLAGS.out_dir, study)
+    os.makedirs(out, exist_ok=True)
+    t0 = time.time()
+    records, curves, shifts, ran, cells_wall = [], [], [], 0, 0.0
+    for base, items in plans:
+        if any(sweeps._finished_summary(config) is None for _, _, config in items):
+            check_before_launch(base)
+        before = sum(sweeps._finished_summary(c) is None for _, _, c in items)
+        rows = sweeps.run_cells([c for _, c, _ in items], base, FLAGS.out_dir,
+                                lambda config: run_program(config, make_program,
+                                                           progress=FLAGS.progress),
+                                progress=FLAGS.progress,
+                                csv_name=os.path.join(study.name, "results.csv"),
+                                record_name=os.path.join(study.name, f"sweep_{base.task}.json"))
+        ran += before
+        for (variant, cell, config), row in zip(items, rows):
+            rec = studies.run_record(study, variant, row, config)
+            records.append(rec)
+            curves += studies.curve_rows(study, variant, row, config)
+            cells_wall += float(rec.get("wall_time_s") or 0.0)
+            if study.kind == "shift" and row.get("status") == "ok":
+                shifts += [dict(variant=variant.id, seed=cell.seed, **s)
+                           for s in studies.shift_table(row["run_dir"], config)]
+    summary = studies.summary_rows(study, records)
+    comps = studies.comparison_rows(study, records)
+    sweeps.write_csv(records, os.path.join(out, "results.csv"), studies.RUN_COLUMNS)
+    sweeps.write_csv(curves, os.path.join(out, "curves.csv"), studies.CURVE_COLUMNS)
+    sweeps.write_csv(summary, os.path.join(out, "summary.csv"), studies.SUMMARY_COLUMNS)
+    sweeps.write_csv(comps, os.path.join(out, "comparisons.csv"), studies.COMPARISON_COLUMNS)
+    if study.kind == "shift":
+        sweeps.write_csv(shifts, os.path.join(out, "recovery.csv"), studies.RECOVERY_COLUMNS)
+    base = plans[0][0]
+    title = (f"{study.title}\ntask={base.task}, {base.max_steps} steps, seeds "
+             f"{','.join(map(str, study.seeds))}, mean and 95% CI over seeds")
+    study_plots.draw(study, curves, summary, out, title,
+                     shift_every=base.shift_every if study.kind == "shift" else None,
+                     max_steps=base.max_steps)
+    elapsed = time.time() - t0
+    with open(os.path.join(out, "invocations.jsonl"), "a") as f:
+        f.write(json.dumps({"started": t0, "elapsed_s": elapsed, "cells_run_now": ran,
+                            **code_version()}) + "\n")
+    with open(os.path.join(out, "invocations.jsonl")) as f:
+        history = [json.loads(line) for line in f if line.strip()]
+    own = [c.name for _, items in plans for _, c, _ in items]
+    info = {
+        "study": study.name, "title": study.title, "kind": study.kind,
+        "cells": len(records), "seeds": list(study.seeds),
+        "variants": [dataclasses.asdict(v) for v in study.variants],
+        "failed": sum(1 for r in records if r.get("status") != "ok"),
+        "cells_shared_with_earlier_studies": sorted(set(own) & earlier_cells),
+        "cells_wall_time_s": cells_wall,
+        "invocations": len(history),
+        "elapsed_s_all_invocations": sum(h["elapsed_s"] for h in history),
+        "cells_run_all_invocations": sum(h["cells_run_now"] for h in history),
+        "bases": {b.task: json.loads(b.to_json()) for b, _ in plans},
+    }
+    sweeps.write_json_atomic(os.path.join(out, "study.json"), info)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(studies.summary_markdown(study, summary, comps, info))
+    sweeps.copy_results(out, os.path.join(FLAGS.results_dir, study.name) if FLAGS.results_dir
+                        else "", studies.output_names(study) + ("invocations.jsonl",))
+    print(f"{study.name}: {len(records)} runs ({ran} run now, {info['failed']} failed) in "
+          f"{elapsed:.0f}s; outputs in {out}")
+    return info
+
+
+def main(argv):
+    del argv
+    try:
+        names = study_names(FLAGS.preset)
+        chosen = []
+        for n in names:
+            study = studies.STUDIES[n]
+            if FLAGS.seeds:
+                study = dataclasses.replace(study, seeds=tuple(int(s) for s in FLAGS.seeds))
+            chosen.append((study, plan(study)))
+        check_names([p for _, plans in chosen for p in plans])
+    except ConfigError as e:
+        sys.exit(f"invalid configuration: {e}")
+    failed, earlier = 0, set()
+    for study, plans in chosen:
+        try:
+            info = run_study(study, plans, earlier)
+        except ConfigError as e:
+            sys.exit(f"invalid configuration ({study.name}): {e}")
+        failed += info["failed"]
+        earlier |= {c.name for _, items in plans for _, c, _ in items}
+    if failed:
+        sys.exit(f"{failed} runs failed; run the same command again to retry them")
+
+
+if __name__ == "__main__":
+    app.run(main)

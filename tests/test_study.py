@@ -1,0 +1,171 @@
+"""programs/study.py: the presets are well formed, every study kind writes its CSV files and
+figures (from finished runs written here, nothing trained), and the smoke preset runs for real
+and resumes without rerunning finished cells. Output format only, never a learning outcome."""
+import csv
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from programs.studies import plots as study_plots
+from programs.studies import presets as studies
+from sao_actor_learner.config import SAOConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_study(*args, timeout=300):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "programs", "study.py"), "--noprogress", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def rows_of(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def assert_outputs(folder, study):
+    for name in studies.output_names(study):
+        assert os.path.exists(os.path.join(folder, name)), name
+    for name in study_plots.plot_names(study):
+        with open(os.path.join(folder, name), "rb") as f:
+            assert f.read(8) == PNG_MAGIC, name
+    results = rows_of(os.path.join(folder, "results.csv"))
+    assert list(results[0]) == list(studies.RUN_COLUMNS)
+    assert len(results) == len(study.variants) * len(study.seeds)
+    assert all(r["status"] == "ok" for r in results)
+    summary = rows_of(os.path.join(folder, "summary.csv"))
+    assert list(summary[0]) == list(studies.SUMMARY_COLUMNS)
+    assert [r["variant"] for r in summary] == [v.id for v in study.variants]
+    assert all(r["n"] == str(len(study.seeds)) for r in summary)
+    for r in summary:   # a 95% interval around every mean
+        assert float(r["final_eval_accuracy_lo"]) <= float(r["final_eval_accuracy_mean"]) <= \
+            float(r["final_eval_accuracy_hi"])
+    comps = rows_of(os.path.join(folder, "comparisons.csv"))
+    assert list(comps[0]) == list(studies.COMPARISON_COLUMNS)
+    assert {(c["a"], c["b"]) for c in comps} == set(study.comparisons)
+    assert all(c["verdict"] in ("higher", "lower", "indistinguishable") for c in comps)
+    curves = rows_of(os.path.join(folder, "curves.csv"))
+    assert list(curves[0]) == list(studies.CURVE_COLUMNS)
+    with open(os.path.join(folder, "study.json")) as f:
+        info = json.load(f)
+    assert info["cells"] == len(results) and info["failed"] == 0
+    return results, summary, curves, info
+
+
+# --- the presets ----------------------------------------------------------------------------
+def test_presets_are_well_formed_and_cells_sharing_a_folder_are_one_config():
+    by_name = {}
+    for study in studies.STUDIES.values():
+        assert len(study.seeds) >= 3, study.name
+        ids = [v.id for v in study.variants]
+        assert len(ids) == len(set(ids)), study.name
+        for a, b in study.comparisons:
+            assert a in ids and b in ids, (study.name, a, b)
+        for variant, cell in studies.cells_of(study):
+            key = (studies.base_of(study, variant), cell)
+            assert by_name.setdefault(cell.name, key) == key, cell.name
+    for name in studies.FULL:
+        assert name in studies.STUDIES
+    # the studies reuse each other's cells: the ablations' DIS k=4 is the asynchrony's SAO k=4
+    asyn = {c.name for _, c in studies.cells_of(studies.STUDIES["asynchrony"])}
+    abl = {c.name for _, c in studies.cells_of(studies.STUDIES["ablations"])}
+    assert asyn & abl
+
+
+# --- every study kind's outputs, from runs written here ---------------------------------------
+def fake_run(config: SAOConfig, rng: random.Random) -> None:
+    """A finished run folder as run.run_program leaves it (config, summary, metrics)."""
+    os.makedirs(config.run_dir, exist_ok=True)
+    with open(os.path.join(config.run_dir, "config.json"), "w") as f:
+        f.write(config.to_json())
+    rows, acc, evals = [], rng.uniform(0.2, 0.5), {}
+    for v in range(config.value_pretrain_steps):
+        rows.append({"kind": "value_pretrain", "step": v + 1, "explained_variance": v / 100})
+    for step in range(config.max_steps + 1):
+        if step % config.eval_every == 0 or step == config.max_steps:
+            evals[step] = acc
+            rows.append({"kind": "eval", "step": step, "policy_version": step,
+                         "eval_accuracy": acc})
+        acc = min(1.0, acc + rng.uniform(-0.01, 0.03))
+        if step:
+            rows.append({"kind": "train", "step": step, "policy_version": step,
+                         "reward_mean": rng.random(), "rollouts_trained": step * 16,
+                         "wall_time_s": 1.5 * step, "kl_rollout": rng.random() / 100,
+                         "masked_frac": rng.random() / 10, "ess": 1 - rng.random() / 10,
+                         "explained_variance": rng.random(), "staleness_mean": 1.0,
+                         "staleness_max": 2, "policy_loss": 0.1})
+    with open(os.path.join(config.run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with open(os.path.join(config.run_dir, "summary.json"), "w") as f:
+        json.dump({"steps": config.max_steps, "initial_eval_accuracy": evals[0],
+                   "final_eval_accuracy": evals[config.max_steps], "wall_time_s": 90.0,
+                   "dropped_stale": 0}, f)
+
+
+def test_every_study_writes_its_tables_and_figures_from_finished_runs(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.parquet", "test.parquet"):
+        (data / name).write_bytes(b"")   # the config checks these exist; nothing reads them
+    out = str(tmp_path / "study")
+    rng = random.Random(0)
+    for name in studies.FULL:
+        study = studies.STUDIES[name]
+        for variant, cell in studies.cells_of(study):
+            base = studies.with_dataset(studies.base_of(study, variant), str(data),
+                                        "no/such/model")
+            fake_run(cell.config(SAOConfig(**dict(base)), out), rng)
+    stdout = run_study("--preset=all", f"--out_dir={out}", f"--dataset_dir={data}",
+                       "--dataset_model=no/such/model", f"--results_dir={tmp_path / 'res'}")
+    assert "run now" in stdout
+    for name in studies.FULL:
+        study = studies.STUDIES[name]
+        results, summary, curves, info = assert_outputs(os.path.join(out, name), study)
+        assert info["cells_run_all_invocations"] == 0     # every cell was finished already
+        assert os.path.exists(tmp_path / "res" / name / "summary.md")
+        if name == "online_shift":
+            shifts = rows_of(os.path.join(out, name, "recovery.csv"))
+            assert len(shifts) == len(results) * 3   # 100 steps, a shift every 25
+        if name == "value_pretrain":
+            assert {r["param"] for r in summary} == {str(n) for n in studies.PRETRAIN_STEPS}
+    shared = json.load(open(os.path.join(out, "ablations", "study.json")))
+    assert shared["cells_shared_with_earlier_studies"]
+
+
+# --- the real smoke preset, and resuming ------------------------------------------------------
+@pytest.mark.timeout(600)
+def test_smoke_preset_runs_and_resumes_without_rerunning_finished_cells(warm_start, tmp_path):
+    out = str(tmp_path / "smoke")
+    study = studies.STUDIES["smoke"]
+    args = ("--preset=smoke", f"--out_dir={out}", f"--init_checkpoint={warm_start}")
+    run_study(*args)
+    folder = os.path.join(out, "smoke")
+    results, summary, curves, info = assert_outputs(folder, study)
+    assert info["cells_run_all_invocations"] == len(results)
+    for r in results:
+        assert r["steps"] == "2" and r["seed"] in ("0", "1", "2")
+        float(r["final_eval_accuracy"])
+    # per-step curves: step 0 (the warm start) and every learner step of every run
+    assert len(curves) == len(results) * 3
+    mtimes = {r["run_dir"]: os.path.getmtime(os.path.join(r["run_dir"], "summary.json"))
+              for r in results}
+    again = run_study(*args)
+    assert f"{len(results)} runs (0 run now, 0 failed)" in again
+    assert rows_of(os.path.join(folder, "results.csv")) == results
+    for run_dir, mtime in mtimes.items():
+        assert os.path.getmtime(os.path.join(run_dir, "summary.json")) == mtime
+    # an interrupted cell (no summary.json yet) is the only one run again
+    os.remove(os.path.join(results[0]["run_dir"], "summary.json"))
+    third = run_study(*args)
+    assert f"{len(results)} runs (1 run now, 0 failed)" in third
+    with open(os.path.join(folder, "invocations.jsonl")) as f:
+        assert [json.loads(line)["cells_run_now"] for line in f] == [len(results), 0, 1]

@@ -1,0 +1,247 @@
+"""The reproduction study's pure statistics (programs/studies/metrics.py), each against a
+slow, obvious version written here."""
+import math
+import random
+
+import pytest
+
+from programs.studies import metrics as sm
+from programs import sweeps
+
+
+# --- slow, obvious versions --------------------------------------------------------------------
+def slow_t_cdf(t, df, n=20000):
+    """Simpson's rule on the t density from 0 to |t|, plus one half."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    pdf = lambda x: c * (1 + x * x / df) ** (-(df + 1) / 2)  # noqa: E731
+    a, b = 0.0, abs(t)
+    h = (b - a) / n
+    s = pdf(a) + pdf(b) + sum((4 if i % 2 else 2) * pdf(a + i * h) for i in range(1, n))
+    half = s * h / 3
+    return 0.5 + half if t >= 0 else 0.5 - half
+
+
+def slow_t_quantile(p, df):
+    """Scan upward in steps of 1e-3 from -20 until the slow CDF reaches p, then refine."""
+    x = 0.0
+    step = 1.0 if p > 0.5 else -1.0
+    for scale in (1.0, 0.1, 0.01, 0.001):
+        step = math.copysign(scale, step)
+        while (slow_t_cdf(x + step, df, 4000) < p) == (step > 0):
+            x += step
+    return x + step / 2
+
+
+def slow_mean_ci(xs, confidence=0.95):
+    n = len(xs)
+    mean = sum(xs) / n
+    var = sum((x - mean) ** 2 for x in xs) / (n - 1)
+    half = slow_t_quantile(0.5 + confidence / 2, n - 1) * math.sqrt(var / n)
+    return mean, mean - half, mean + half
+
+
+def slow_moving_average(values, window):
+    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+            for i in range(len(values))]
+
+
+def slow_collapse_step(rewards, window, fraction, evals, drop, nonfinite):
+    """Every candidate step checked against the definition, in order."""
+    found = []
+    if nonfinite is not None:
+        found.append(nonfinite)
+    steps = [s for s, _ in sorted(rewards)]
+    smooth = slow_moving_average([v for _, v in sorted(rewards)], window)
+    if smooth and max(smooth) > 0 and smooth[-1] < fraction * max(smooth):
+        for i in range(len(smooth)):
+            if all(smooth[j] < fraction * max(smooth[:j + 1]) for j in range(i, len(smooth))):
+                found.append(steps[i])
+                break
+    ev = sorted(evals)
+    if len(ev) >= 2 and ev[-1][1] < ev[0][1] - drop:
+        for i in range(1, len(ev)):
+            if all(a < ev[0][1] - drop for _, a in ev[i:]):
+                found.append(ev[i][0])
+                break
+    return min(found) if found else None
+
+
+def slow_recovery(values, shift_every, max_steps, window, fraction):
+    out = []
+    steps = sorted(values)
+    s = shift_every
+    j = 0
+    while s < max_steps:
+        j += 1
+        before = [values[t] for t in steps if s - window < t <= s]
+        phase = [t for t in steps if s < t <= min(s + shift_every, max_steps)]
+        if before and phase:
+            level = sum(before) / len(before)
+
+            def avg(t):
+                prior = [u for u in steps if u <= t][-window:]
+                return sum(values[u] for u in prior) / len(prior)
+            dip = min(avg(t) for t in phase)
+            dip_step = [t for t in phase if avg(t) == dip][0]
+            if dip >= fraction * level:
+                rec = 0
+            else:
+                rec = None
+                for t in phase:
+                    if t > dip_step and avg(t) >= fraction * level:
+                        rec = t - s
+                        break
+            out.append((j, level, dip, dip_step, rec))
+        s += shift_every
+    return out
+
+
+# --- tests ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 7, 30])
+@pytest.mark.parametrize("t", [-3.0, -0.7, 0.0, 0.4, 1.5, 4.0])
+def test_t_cdf_matches_numerical_integration(t, df):
+    assert sm.t_cdf(t, df) == pytest.approx(slow_t_cdf(t, df), abs=1e-7)
+
+
+@pytest.mark.parametrize("df", [1, 2, 4, 9])
+@pytest.mark.parametrize("p", [0.025, 0.3, 0.9, 0.975])
+def test_t_quantile_matches_a_scan_of_the_slow_cdf(p, df):
+    assert sm.t_quantile(p, df) == pytest.approx(slow_t_quantile(p, df), abs=2e-3)
+
+
+def test_t_quantile_table_values():
+    # the textbook 97.5% points: df 2, 4, 10, and the normal's 1.96 for large df
+    for df, t in ((2, 4.303), (4, 2.776), (10, 2.228), (10000, 1.960)):
+        assert sm.t_quantile(0.975, df) == pytest.approx(t, abs=1e-3)
+
+
+def test_mean_ci_against_the_formula():
+    rng = random.Random(0)
+    for n in (2, 3, 5, 8):
+        xs = [rng.uniform(0, 1) for _ in range(n)]
+        got = sm.mean_ci(xs)
+        mean, lo, hi = slow_mean_ci(xs)
+        assert got["n"] == n and got["mean"] == pytest.approx(mean)
+        assert (got["lo"], got["hi"]) == (pytest.approx(lo, abs=1e-3), pytest.approx(hi, abs=1e-3))
+    one = sm.mean_ci([0.5, None, "x", float("nan")])
+    assert one["n"] == 1 and one["mean"] == 0.5 and one["lo"] is None and one["half"] is None
+    assert sm.mean_ci([])["mean"] is None
+    assert sm.mean_ci(["0.25", "0.75"])["mean"] == 0.5   # CSV strings count as numbers
+
+
+def test_welch_against_the_formula_and_verdicts():
+    a, b = [0.8, 0.85, 0.9], [0.5, 0.6, 0.55, 0.58]
+    got = sm.welch(a, b)
+    ma, mb = sum(a) / 3, sum(b) / 4
+    va = sum((x - ma) ** 2 for x in a) / 2 / 3
+    vb = sum((x - mb) ** 2 for x in b) / 3 / 4
+    df = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 3)
+    half = slow_t_quantile(0.975, df) * math.sqrt(va + vb)
+    assert got["diff"] == pytest.approx(ma - mb)
+    assert got["df"] == pytest.approx(df)
+    assert got["lo"] == pytest.approx(ma - mb - half, abs=2e-3)
+    assert sm.verdict(got) == "higher" and sm.verdict(sm.welch(b, a)) == "lower"
+    assert sm.verdict(sm.welch([0.5, 0.7], [0.6, 0.61])) == "indistinguishable"
+    assert sm.verdict(sm.welch([0.5], [0.1, 0.2])) == "indistinguishable"  # one seed: no CI
+    same = sm.welch([1.0, 1.0], [0.0, 0.0])
+    assert (same["lo"], same["hi"]) == (1.0, 1.0) and sm.verdict(same) == "higher"
+
+
+def test_moving_average_bin_curve_and_band():
+    rng = random.Random(1)
+    xs = [rng.random() for _ in range(30)]
+    for w in (1, 3, 5):
+        assert sm.moving_average(xs, w) == pytest.approx(slow_moving_average(xs, w))
+    # eval versions 0, 11 (late for 10), 20, 23 (a second point in bin 20 is dropped), 30
+    assert sm.bin_curve([(0, 0.1), (11, 0.2), (23, 0.9), (20, 0.3), (30, 0.4)], 10) == {
+        0: 0.1, 10: 0.2, 20: 0.3, 30: 0.4}
+    steps, mean, lo, hi = sm.band([{0: 0.0, 10: 1.0}, {0: 1.0, 10: 1.0, 20: 1.0}])
+    assert steps == [0, 10] and mean == [0.5, 1.0] and hi[1] == lo[1] == 1.0
+    assert lo[0] == pytest.approx(0.5 - 12.706 * 0.5, abs=1e-2)
+
+
+def test_collapse_step_against_brute_force_and_the_sweep_rule():
+    rng = random.Random(2)
+    for trial in range(300):
+        n = rng.randint(1, 25)
+        level = rng.random()
+        rewards, v = [], level
+        for s in range(1, n + 1):
+            v = min(1.0, max(0.0, v + rng.uniform(-0.3, 0.2)))
+            rewards.append((s, v))
+        evals = [(0, rng.random())] + [(s, rng.random()) for s in range(5, n + 1, 5)]
+        nonfinite = rng.choice([None] * 5 + [rng.randint(1, n)])
+        w, f, d = sweeps.REWARD_WINDOW, sweeps.COLLAPSE_REWARD_FRACTION, sweeps.COLLAPSE_EVAL_DROP
+        got = sm.collapse_step(rewards, w, f, evals, d, nonfinite)
+        assert got == slow_collapse_step(rewards, w, f, evals, d, nonfinite), trial
+        assert sm.collapse_step(rewards, 2, 0.6, evals, 0.2, nonfinite) == \
+            slow_collapse_step(rewards, 2, 0.6, evals, 0.2, nonfinite), trial
+        if len(evals) >= 2:
+            rule = sweeps.is_collapsed([r for _, r in rewards], evals[0][1], evals[-1][1],
+                                       nonfinite is not None)
+            assert (got is not None) == rule, trial
+
+
+def test_collapse_step_dates_a_fall():
+    rewards = list(enumerate([0.5, 0.6, 0.7, 0.7, 0.7, 0.1, 0.0, 0.0, 0.0, 0.0], start=1))
+    assert sm.collapse_step(rewards, 1, 0.5) == 6
+    assert sm.collapse_step(rewards[:6] + [(7, 0.7)], 1, 0.5) is None  # came back
+    assert sm.collapse_step([(1, 0.5)], 1, 0.5, [(0, 0.6), (10, 0.2), (20, 0.1)]) == 10
+    assert sm.collapse_step([(1, 0.5)], 1, 0.5, [(0, 0.6), (10, 0.2), (20, 0.6)]) is None
+
+
+def test_recovery_against_brute_force_and_online_shift_program():
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "programs"))
+    try:
+        from online_shift import recovery as program_recovery
+    finally:
+        sys.path.pop(0)
+    rng = random.Random(3)
+    for trial in range(200):
+        n = rng.randint(6, 40)
+        shift_every = rng.randint(2, max(2, n // 2))
+        values = {s: rng.random() for s in range(1, n + 1) if rng.random() > 0.1}
+        window = rng.randint(1, shift_every)
+        got = sm.recovery(values, shift_every, n, window, 0.9)
+        slow = slow_recovery(values, shift_every, n, window, 0.9)
+        assert [(g["shift"], g["dip_step"], g["steps_to_recover"]) for g in got] == \
+            [(j, d, r) for j, _, _, d, r in slow], trial
+        for g, (_, level, dip, _, _) in zip(got, slow):
+            assert g["pre_level"] == pytest.approx(level) and g["dip"] == pytest.approx(dip)
+        prog = program_recovery(values, shift_every, n, window, 0.9)
+        assert [p["steps_to_recover"] for p in prog] == [g["steps_to_recover"] for g in got]
+
+
+def slow_eval_recovery(evals, shift_every, max_steps, fraction):
+    out = []
+    for j, s in enumerate(range(shift_every, max_steps, shift_every), start=1):
+        pre = max((v for v in evals if v < s), default=None)
+        phase = sorted(v for v in evals if s <= v < s + shift_every or v == max_steps > s)
+        if pre is None or not phase:
+            continue
+        rec = None
+        for v in phase:
+            if evals[v] >= fraction * evals[pre]:
+                rec = v - s
+                break
+        out.append((j, evals[pre], evals[phase[0]], rec))
+    return out
+
+
+def test_eval_recovery_against_brute_force():
+    rng = random.Random(4)
+    for trial in range(200):
+        n = rng.randint(5, 60)
+        every = rng.randint(1, 6)
+        shift_every = rng.randint(2, max(2, n // 2))
+        evals = {v: rng.random() for v in range(0, n + 1, every)}
+        evals[n] = rng.random()
+        got = sm.eval_recovery(evals, shift_every, n, 0.75)
+        assert [(g["shift"], g["pre_level"], g["at_shift"], g["steps_to_recover"])
+                for g in got] == slow_eval_recovery(evals, shift_every, n, 0.75), trial
+    # 0.9 before the shift at 4; 0.3 at it; 0.8 >= 0.75 * 0.9 two versions later
+    got = sm.eval_recovery({0: 0.5, 2: 0.9, 4: 0.3, 6: 0.8, 8: 0.2}, 4, 8, 0.75)
+    assert got[0]["steps_to_recover"] == 2   # the phase holds 4, 6 and the last version, 8
+    assert got[0]["phase_mean"] == pytest.approx((0.3 + 0.8 + 0.2) / 3)
