@@ -18,8 +18,8 @@ from sao_actor_learner.config.sections import (  # noqa: F401  (re-exported)
     ACTOR_DELAYS, ALGORITHMS, CRITIC_FREE_BASELINES, DTYPES, ENGINES, GAE_MODES,
     KERNEL_BACKENDS, LAUNCH_TYPES, LEARNER_STRATEGIES, LOSS_NORMALIZATIONS, POLICY_LOSSES,
     PROGRAM_GROUPS, TASKS, VLLM_WEIGHT_SYNC_MODES, ActorConfig, ConfigError, DatasetConfig,
-    EngineConfig, EvalConfig, LaunchConfig, ProgramConfig, ReplayConfig, Section, _raise,
-    parse_ray_resources)
+    EngineConfig, EvalConfig, LaunchConfig, ProgramConfig, ReplayConfig, Section,
+    parse_ray_resources, raise_config_error)
 
 # Per-task defaults of the fields left at 0 / "" ("actor_batch": the actor_batch value).
 TASK_DEFAULTS = {
@@ -116,8 +116,8 @@ class SAOConfig(LaunchConfig, EvalConfig, DatasetConfig, LearnerConfig, EngineCo
     def validate(self) -> None:
         """Each section's own checks, in section order, then the checks across sections."""
         for section in SECTIONS:
-            section.check(self, _raise)
-        self.check_across_sections(_raise)
+            section.check(self, raise_config_error)
+        self.check_across_sections(raise_config_error)
 
     def check_across_sections(self, fail) -> None:
         G = self.group_size

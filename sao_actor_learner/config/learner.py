@@ -39,7 +39,7 @@ class LearnerConfig(Section):
                                        "before RL.")
     value_pretrain_min_ev: float = option(1.0, "Value pretraining stops early at this explained "
                                           "variance.")
-    gamma: float = option(1.0, "Discount.")
+    gamma: float = option(1.0, "Discount factor of the returns and of GAE (1.0: undiscounted).")
     gae: str = option("skip_observation", "skip_observation GAE (observation tokens skipped) or "
                       "standard (bootstraps through them).")
     adaptive_lambda: bool = option(True, "lambda_policy = 1 - 1 / (lambda_alpha * n) with n "

@@ -58,7 +58,7 @@ def option(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
-def _raise(msg: str) -> None:
+def raise_config_error(msg: str) -> None:
     raise ConfigError(msg)
 
 
@@ -66,7 +66,7 @@ class Section:
     """A frozen dataclass of options that checks itself when made (and `check` in SAOConfig)."""
 
     def __post_init__(self) -> None:
-        type(self).check(self, _raise)
+        type(self).check(self, raise_config_error)
 
     def check(self, fail: Fail) -> None:
         """Calls `fail(message)` for the first invalid field of this section."""
