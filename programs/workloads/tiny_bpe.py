@@ -5,8 +5,9 @@
 pre-tokenizer and decoder, all 256 byte symbols in the base vocabulary, and the special tokens
 <|endoftext|> (padding), <|im_start|> and <|im_end|> (end of a turn, the eos). The corpus is
 `corpus(seed)`: generated word problems with their solutions and demonstrations, plus the
-docstrings of a fixed, sorted list of standard-library modules (the same text for the same
-Python minor version), so the merges cover ordinary English and code, not only the templates.
+docstrings of a fixed, sorted list of standard-library modules (stdlib_docs.py: the same
+text for the same Python minor version, whatever the caller imported), so the merges cover
+ordinary English and code, not only the templates.
 
 The result is a `transformers.PreTrainedTokenizerFast` with eos <|im_end|>, pad <|endoftext|>,
 no BOS, and a Qwen-style chat template: each message renders as
@@ -17,12 +18,11 @@ variable is accepted and ignored. `save_tokenizer` writes it so that
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import os
-import warnings
-from typing import Iterator, List
+import subprocess
+import sys
+from typing import List
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -41,42 +41,15 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}\n"
     "{{- '<|im_start|>assistant\\n' }}\n"
     "{%- endif -%}\n")
-DOC_MODULES = (
-    "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "collections", "configparser",
-    "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "email",
-    "enum", "fractions", "functools", "gettext", "glob", "gzip", "hashlib", "heapq", "http",
-    "inspect", "io", "ipaddress", "itertools", "json", "logging", "math", "mimetypes", "os",
-    "pathlib", "pickle", "platform", "pprint", "queue", "random", "re", "shlex", "shutil",
-    "socket", "sqlite3", "statistics", "string", "struct", "subprocess", "tarfile", "tempfile",
-    "textwrap", "threading", "time", "timeit", "tokenize", "trace", "typing", "unittest",
-    "urllib", "uuid", "warnings", "wave", "weakref", "zipfile",
-)
 
 
-def docstrings() -> Iterator[str]:
-    """Docstrings of DOC_MODULES, their public classes and functions and the classes' public
-    methods, in sorted order."""
-    for name in sorted(DOC_MODULES):
-        module = importlib.import_module(name)
-        doc = inspect.getdoc(module)
-        if doc:
-            yield doc
-        for attr, member in sorted(vars(module).items()):
-            if attr.startswith("_") or getattr(member, "__module__", None) not in (name,
-                                                                                   "_" + name):
-                continue
-            if inspect.isclass(member) or inspect.isfunction(member) or inspect.isbuiltin(member):
-                with warnings.catch_warnings():   # typing.io and typing.re warn on access
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    doc = inspect.getdoc(member)
-                if doc:
-                    yield doc
-                if inspect.isclass(member):
-                    for method_name, method in sorted(vars(member).items()):
-                        if not method_name.startswith("_") and inspect.isfunction(method):
-                            doc = inspect.getdoc(method)
-                            if doc:
-                                yield doc
+def docstrings() -> List[str]:
+    """The docstrings of stdlib_docs.DOC_MODULES, collected by a fresh isolated interpreter
+    (stdlib_docs.py says why), so the same Python minor version always gives the same text."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stdlib_docs.py")
+    out = subprocess.run([sys.executable, "-I", "-S", script], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out)
 
 
 def corpus(seed: int = 0, num_problems: int = 2000) -> List[str]:
