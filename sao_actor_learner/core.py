@@ -1,7 +1,8 @@
 """The small interfaces everything else composes (after Acme's core.py).
 
 Tokenizer    text <-> token ids for one model: BOS, stop ids, chat template, response decoding.
-Engine       generates tokens with per-token log-probs and policy versions.
+Engine       generates tokens with per-token log-probs and policy versions; takes new weights
+             between calls or, with a weight sync mode, while generations are in flight.
 Task         hands out prompts and makes an Environment per episode; scores answers.
 Environment  one episode: takes the model's turn, answers with observation tokens and a reward.
 VariableSource  something that holds policy variables (the learner, the variable server).
@@ -125,8 +126,28 @@ class Generation:
     finish_reason: str
 
 
+# What a newer version offered while generations are in flight does to them (Engine,
+# docs/DESIGN.md "Weight sync modes").
+WEIGHT_SYNC_MODES = ("off", "keep", "abort")
+
+
 class Engine(abc.ABC):
-    """Generates continuations of token-id prompts and can switch weights by version."""
+    """Generates continuations of token-id prompts and can switch weights by version.
+
+    Weights reach an engine in two ways. `load_weights` switches at once, between generate
+    calls (it waits for a call in flight). `offer_weights` hands over a newer version from any
+    thread, also while `generate` runs in another; `weight_sync_mode` says what it does to the
+    sequences in flight:
+      off    nothing: the offered weights are used from the next generate call on;
+      keep   in-flight sequences continue on the new weights from their next token (the KV of
+             their prefix is recomputed with the new weights, so each token's log-prob is
+             exactly that of the weights that sampled it);
+      abort  in-flight sequences are restarted from their prompts on the new weights.
+    Either way `Generation.versions` record which weights sampled each token.
+    """
+
+    # An engine that cannot switch weights inside a generate call is "off".
+    weight_sync_mode: str = "off"
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> List[Generation]:
@@ -140,6 +161,23 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def version(self) -> int:
         """The policy version of the weights in use."""
+
+    def offer_weights(self, state_dict: dict, version: int) -> None:
+        """Hands the weights of a newer `version` to the engine, from any thread, to be used as
+        `weight_sync_mode` says (class docstring). Never waits for a generate call in flight to
+        end unless the mode is "off". An offer not newer than the engine's version, or than an
+        offer it still holds, is ignored. `state_dict` must not change until it is used.
+
+        This default (an engine that cannot switch mid-generation) is `load_weights`."""
+        if version > self.version:
+            self.load_weights(state_dict, version)
+
+    def weight_sync_counters(self) -> Dict[str, float]:
+        """What weight changes in flight cost so far, cumulative: `tokens` (returned),
+        `sequences_switched` (sequences that changed weights in flight), `tokens_discarded`
+        (abort: sampled, then thrown away), `tokens_recomputed` (keep: prefix tokens whose KV
+        was recomputed). {} when the engine counts none."""
+        return {}
 
     def close(self) -> None:
         """Releases processes or memory the engine holds."""

@@ -158,3 +158,145 @@ def test_from_checkpoint(tmp_path):
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     direct = TorchEngine(model, TOK.eos_id, TOK.pad_id).generate(prompts(), params)
     assert [g.tokens for g in engine.generate(prompts(), params)] == [g.tokens for g in direct]
+
+
+# --- weights offered while a generate call is in flight (docs/DESIGN.md "Weight sync modes") ---
+SWITCH_AT = 4        # the offer lands after this many tokens of the rows in flight
+LONG = 12
+
+
+def long_model(kind: str, seed: int):
+    """A tiny model whose <eos> is (practically) never sampled, so rows run to LONG tokens:
+    LM head x20, <eos> row zeroed."""
+    m = make_tiny_model(kind, vocab_size=TOK.vocab_size, seed=seed)
+    with torch.no_grad():
+        m.get_output_embeddings().weight.mul_(20.0)
+        m.get_output_embeddings().weight[TOK.eos_id].zero_()
+    return m
+
+
+def offer_at(engine, step, state_dict, version):
+    """Makes the engine offer itself `state_dict` after `step` tokens of its next rows in flight
+    (the deterministic injection point: decode_step_hook runs in the generating thread)."""
+    def hook(n):
+        if n == step:
+            engine.offer_weights(state_dict, version)
+    engine.decode_step_hook = hook
+
+
+def assert_logprobs_of_the_sampling_weights(gens, prompts_, by_version, temperature=1.0):
+    """Each token's log-prob is the teacher-forced one of the weights of its version, given the
+    whole prefix."""
+    for p, g in zip(prompts_, gens):
+        lp = torch.tensor(g.logprobs)
+        for version, m in by_version.items():
+            mine = torch.tensor(g.versions) == version
+            if mine.any():
+                ref = teacher_forced_logprobs(m, p, g.tokens, temperature)
+                torch.testing.assert_close(lp[mine], ref[mine], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_keep_switches_rows_in_flight_at_the_next_token(kind):
+    old, new = long_model(kind, seed=3), long_model(kind, seed=4)
+    engine = TorchEngine(long_model(kind, seed=3), TOK.eos_id, TOK.pad_id, version=5,
+                         max_batch_size=3, weight_sync_mode="keep")   # chunks of 3 and 2
+    params = SamplingParams(max_new_tokens=LONG, temperature=1.0, seed=5)
+    # A stop token that ends prompt 0 by its 2nd token, before the switch (sampled the same
+    # way: same seed, same weights up to the switch).
+    stop = TorchEngine(old, TOK.eos_id, TOK.pad_id, max_batch_size=3).generate(
+        prompts(), params)[0].tokens[1]
+    params = SamplingParams(max_new_tokens=LONG, temperature=1.0, seed=5, stop_token_ids=(stop,))
+    offer_at(engine, SWITCH_AT, new.state_dict(), 6)
+    head = engine.model.get_output_embeddings().weight
+    pointers = {k: v.data_ptr() for k, v in engine.model.state_dict().items()}
+    gens = engine.generate(prompts(), params)
+    assert engine.version == 6 and engine.pending_version is None
+    # Swapped in place (inside the call's inference mode): the same tensors, the new values.
+    assert engine.model.get_output_embeddings().weight is head
+    assert {k: v.data_ptr() for k, v in engine.model.state_dict().items()} == pointers
+    assert torch.equal(head, new.get_output_embeddings().weight)
+    first, second = gens[:3], gens[3:]
+    for g in first:   # in flight at the switch: old, then new from the next token
+        if g.finish_reason == "stop" and len(g.tokens) <= SWITCH_AT:
+            assert g.versions == [5] * len(g.tokens)
+        else:
+            assert g.versions == [5] * SWITCH_AT + [6] * (len(g.tokens) - SWITCH_AT), g
+    assert first[0].finish_reason == "stop" and len(first[0].tokens) <= 2
+    assert sum(len(set(g.versions)) == 2 for g in first) >= 1
+    for g in second:  # the next chunk started on the new weights
+        assert set(g.versions) == {6}
+    assert_logprobs_of_the_sampling_weights(gens, prompts(), {5: old, 6: new})
+    c = engine.weight_sync_counters()
+    switched = sum(len(set(g.versions)) == 2 for g in first)
+    assert c["sequences_switched"] == switched and c["tokens_discarded"] == 0
+    assert c["tokens"] == sum(len(g.tokens) for g in gens)
+    assert c["tokens_recomputed"] == sum(len(p) + SWITCH_AT for p, g in zip(prompts(), first)
+                                         if len(set(g.versions)) == 2)
+
+
+def test_abort_restarts_rows_in_flight_from_their_prompts():
+    old, new = long_model("llama", seed=3), long_model("llama", seed=4)
+    engine = TorchEngine(long_model("llama", seed=3), TOK.eos_id, TOK.pad_id, version=0,
+                         weight_sync_mode="abort")
+    params = SamplingParams(max_new_tokens=LONG, temperature=1.0, seed=5)
+    stop = TorchEngine(old, TOK.eos_id, TOK.pad_id).generate(prompts(), params)[0].tokens[1]
+    params = SamplingParams(max_new_tokens=LONG, temperature=1.0, seed=5, stop_token_ids=(stop,))
+    offer_at(engine, SWITCH_AT, new.state_dict(), 1)
+    gens = engine.generate(prompts(), params)
+    done_before = [g for g in gens if set(g.versions) == {0}]
+    restarted = [g for g in gens if set(g.versions) == {1}]
+    assert len(done_before) + len(restarted) == len(gens) and restarted
+    assert gens[0] in done_before and len(gens[0].tokens) <= 2   # finished before the switch
+    for g in done_before:
+        assert g.finish_reason == "stop" and len(g.tokens) <= SWITCH_AT
+    for g in restarted:   # a fresh budget: up to LONG tokens, all sampled by the new weights
+        assert len(g.tokens) == LONG or g.finish_reason == "stop"
+    assert_logprobs_of_the_sampling_weights(gens, prompts(), {0: old, 1: new})
+    c = engine.weight_sync_counters()
+    assert c["sequences_switched"] == len(restarted)
+    assert c["tokens_discarded"] == SWITCH_AT * len(restarted) and c["tokens_recomputed"] == 0
+
+
+def test_off_uses_an_offer_from_the_next_call_on():
+    new = long_model("llama", seed=4)
+    engine = TorchEngine(long_model("llama", seed=3), TOK.eos_id, TOK.pad_id, version=0,
+                         weight_sync_mode="off")
+    offer_at(engine, SWITCH_AT, new.state_dict(), 1)
+    params = SamplingParams(max_new_tokens=LONG, temperature=1.0, seed=5)
+    gens = engine.generate(prompts(), params)
+    assert {v for g in gens for v in g.versions} == {0}
+    assert engine.version == 0 and engine.pending_version == 1
+    engine.decode_step_hook = None
+    gens = engine.generate(prompts(), params)
+    assert {v for g in gens for v in g.versions} == {1} and engine.version == 1
+    assert_logprobs_of_the_sampling_weights(gens, prompts(), {1: new})
+    assert engine.weight_sync_counters()["sequences_switched"] == 0
+
+
+def test_offers_between_calls_stale_offers_and_bad_offers():
+    a, b = long_model("llama", seed=3), long_model("llama", seed=4)
+    engine = TorchEngine(long_model("llama", seed=5), TOK.eos_id, TOK.pad_id, version=2,
+                         weight_sync_mode="keep")
+    assert isinstance(engine, Engine) and engine.pending_version is None
+    engine.offer_weights(a.state_dict(), 3)     # no call in flight: applied at once
+    assert engine.version == 3 and engine.pending_version is None
+    assert torch.equal(engine.model.lm_head.weight, a.lm_head.weight)
+    engine.offer_weights(b.state_dict(), 3)     # not newer: ignored
+    engine.offer_weights(b.state_dict(), 1)
+    assert torch.equal(engine.model.lm_head.weight, a.lm_head.weight)
+    weight = engine.model.lm_head.weight
+    engine.offer_weights(b.state_dict(), 4)     # copied in place: the same tensors
+    assert engine.model.lm_head.weight is weight and torch.equal(weight, b.lm_head.weight)
+    bad = {k: v for k, v in a.state_dict().items() if k != "model.norm.weight"}
+    with pytest.raises(ValueError, match="missing keys"):
+        engine.offer_weights(bad, 9)
+    assert engine.version == 4 and engine.pending_version is None
+    # An offer waiting while a load runs is dropped by a load at least as new.
+    with engine._lock:                          # as if a call were in flight
+        engine.offer_weights(a.state_dict(), 5)
+    assert engine.pending_version == 5
+    engine.load_weights(b.state_dict(), 6)
+    assert engine.version == 6 and engine.pending_version is None
+    with pytest.raises(ValueError, match="weight_sync_mode='pause'"):
+        TorchEngine(a, TOK.eos_id, TOK.pad_id, weight_sync_mode="pause")
