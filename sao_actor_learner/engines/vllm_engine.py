@@ -15,13 +15,20 @@ Engine (`VLLMEngine`):
                  /pause?mode=M  /start_weight_update  /update_weights  /finish_weight_update
                  (tagged with the version)  /reset_prefix_cache?reset_running_requests=true
                  /resume
-               weight_sync_mode (M):
-                 keep   in-flight requests are frozen, continue under the new weights after the
-                        update (their KV cache is recomputed: running requests are preempted by
-                        the prefix-cache reset), and their per-token versions record the switch.
-                 abort  in-flight requests are aborted (vLLM returns partial tokens with
-                        finish_reason "abort"); `generate` discards those tokens and re-sends
-                        the prompt once the update is done, so every token has the new version.
+               weight_sync_mode (core.Engine; docs/DESIGN.md "Weight sync modes"):
+                 keep   (M=keep) in-flight requests are frozen, continue under the new weights
+                        after the update (their KV cache is recomputed: running requests are
+                        preempted by the prefix-cache reset), and their per-token versions
+                        record the switch.
+                 abort  (M=abort) in-flight requests are aborted (vLLM returns partial tokens
+                        with finish_reason "abort"); `generate` discards those tokens and
+                        re-sends the prompt once the update is done, so every token has the new
+                        version.
+                 off    (M=keep) a load waits until no generate call is in flight, and a
+                        generate call waits for a load in progress: a call's tokens share one
+                        version.
+  offer_weights  is load_weights (from the caller's thread, while generate calls may be in
+               flight in others); the actor calls it from its weight thread.
 
 Log-probs (`Generation.logprobs`, the behaviour policy, as TorchEngine defines it):
   vLLM's default `raw_logprobs` are log_softmax(logits) BEFORE temperature and top-p. The server
@@ -64,7 +71,7 @@ from sao_actor_learner.engines.vllm_weights import (check_state_dict, push_weigh
 __all__ = ["SERVER_DIR", "VLLMEngine", "VLLMServer", "VLLMServerError", "WEIGHT_SYNC_MODES",
            "free_port", "resolve_vllm_python"]
 
-WEIGHT_SYNC_MODES = ("keep", "abort")
+WEIGHT_SYNC_MODES = core.WEIGHT_SYNC_MODES
 # Failures that mean the server may be gone (then /health decides: restart, or a real error).
 _TRANSPORT_ERRORS = (OSError, http.client.HTTPException, HTTPError)
 
@@ -84,7 +91,8 @@ class VLLMEngine(core.Engine):
       model_dir: the Hugging Face checkpoint folder the server loads (save_checkpoint's output).
       eos_token_id: always a stop token (as in TorchEngine).
       version: the policy version of the checkpoint's weights.
-      weight_sync_mode: "keep" or "abort" (what happens to in-flight requests on load_weights).
+      weight_sync_mode: "keep", "abort" or "off" (what a weight update does to requests in
+        flight; module docstring).
       python: the vLLM environment's python (default: resolve_vllm_python()).
       log_path: the server's log file.
       max_concurrency: requests in flight at once (vLLM batches them).
@@ -128,7 +136,8 @@ class VLLMEngine(core.Engine):
         self.counters: Dict[str, float] = {"requests": 0, "tokens": 0, "weight_updates": 0,
                                            "sent": 0, "in_flight": 0,
                                            "aborted_and_resent": 0, "server_restarts": 0,
-                                           "rejected_weight_updates": 0}
+                                           "rejected_weight_updates": 0,
+                                           "sequences_switched": 0, "tokens_discarded": 0}
         self.last_update_s: Optional[float] = None
         self._server = VLLMServer(model_dir, python=python, log_path=log_path,
                                   max_model_len=self._max_model_len, kv_cache_gb=kv_cache_gb,
@@ -140,8 +149,9 @@ class VLLMEngine(core.Engine):
         self._weights_file: Optional[str] = None       # the last update, re-sent after a restart
         self._update_lock = threading.Lock()           # one weight update at a time
         self._restart_lock = threading.Lock()
-        self._state = threading.Condition()            # guards _updating and _server_epoch
+        self._state = threading.Condition()  # guards _updating, _server_epoch, _generating
         self._updating = False
+        self._generating = 0                           # generate calls in flight
         self._server_epoch = 0
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency,
@@ -191,15 +201,35 @@ class VLLMEngine(core.Engine):
                 raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary "
                                  f"[0, {self._vocab})")
         stop_ids = sorted({self._eos, *map(int, params.stop_token_ids)})
-        futures = [self._pool.submit(self._generate_one, p, params, stop_ids,
-                                     None if params.seed is None else int(params.seed) + i)
-                   for i, p in enumerate(prompts)]
-        out = []
-        for fut in futures:
-            r = fut.result()
-            out.append(core.Generation(tokens=r.tokens, logprobs=r.logprobs, versions=r.versions,
-                                       finish_reason=r.finish_reason))
-        return out
+        with self._state:
+            while self.weight_sync_mode == "off" and self._updating:
+                self._state.wait(timeout=1.0)
+            self._generating += 1
+        try:
+            futures = [self._pool.submit(self._generate_one, p, params, stop_ids,
+                                         None if params.seed is None else int(params.seed) + i)
+                       for i, p in enumerate(prompts)]
+            out = []
+            for fut in futures:
+                r = fut.result()
+                out.append(core.Generation(tokens=r.tokens, logprobs=r.logprobs,
+                                           versions=r.versions, finish_reason=r.finish_reason))
+            return out
+        finally:
+            with self._state:
+                self._generating -= 1
+                self._state.notify_all()
+
+    def offer_weights(self, state_dict: dict, version: int) -> None:
+        """load_weights(state_dict, version) unless `version` is not newer than the engine's:
+        with keep/abort it lands while generate calls are in flight (module docstring)."""
+        if int(version) > self._version:
+            self.load_weights(state_dict, version)
+
+    def weight_sync_counters(self) -> Dict[str, float]:
+        with self._counter_lock:
+            return {k: self.counters[k] for k in ("tokens", "sequences_switched",
+                                                  "tokens_discarded", "aborted_and_resent")}
 
     def load_weights(self, state_dict: dict, version: int) -> None:
         """Validates `state_dict`, then pushes it to the server tagged with `version`."""
@@ -214,11 +244,14 @@ class VLLMEngine(core.Engine):
         with self._update_lock:
             t0 = time.time()
             with self._state:
+                while self.weight_sync_mode == "off" and self._generating:
+                    self._state.wait(timeout=1.0)   # off: between generate calls only
                 self._updating = True
                 epoch = self._server_epoch
             try:
                 try:
-                    push_weights(self._server, path, int(version), self.weight_sync_mode)
+                    push_weights(self._server, path, int(version),
+                                 "abort" if self.weight_sync_mode == "abort" else "keep")
                 except _TRANSPORT_ERRORS as e:
                     if self._server.healthy():
                         raise VLLMServerError(
@@ -379,6 +412,7 @@ class VLLMEngine(core.Engine):
                 # Aborted by a weight update (mode abort): discard, re-send after the update.
                 failures += 1
                 self._count("aborted_and_resent")
+                self._count("tokens_discarded", len(choice.get("token_ids") or []))
                 if failures > 20:
                     raise VLLMServerError("a generate request was aborted 20 times in a row; "
                                           "is something else aborting requests on the server?")
@@ -405,6 +439,8 @@ class VLLMEngine(core.Engine):
         reason = choice.get("finish_reason") or "length"
         self._count("requests")
         self._count("tokens", len(tokens))
+        if len(set(versions)) > 1:
+            self._count("sequences_switched")
         return _Result(tokens, logprobs, versions, "stop" if reason == "stop" else "length")
 
 
