@@ -17,7 +17,7 @@ import sys
 from absl import app, flags
 
 from sao_actor_learner.builder import make_program
-from sao_actor_learner.config import ConfigError, SAOConfig
+from sao_actor_learner.config import RENAMED_FIELDS, ConfigError, SAOConfig
 from sao_actor_learner.flags import config_from_flags, define_flags_from_dataclass
 from sao_actor_learner.run import run_program
 
@@ -25,12 +25,17 @@ define_flags_from_dataclass(SAOConfig)
 flags.DEFINE_bool("progress", True, "Show a progress line.")
 flags.DEFINE_string("auth_token", None, "Shared secret for every variable-server call (default: "
                     "$SAO_AUTH_TOKEN); needed with a non-loopback --bind_host. Not saved.")
+for _old, (_new, _, _) in RENAMED_FIELDS.items():   # refused with the new name, not "unknown"
+    flags.DEFINE_string(_old, None, f"Renamed: use --{_new}.")
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     del argv
     try:
+        for old, (new, _, why) in RENAMED_FIELDS.items():
+            if FLAGS[old].present:
+                raise ConfigError(f"--{old} was renamed --{new}: {why}")
         config = config_from_flags(SAOConfig)
         if FLAGS.auth_token is not None:   # the nodes read it from the environment they inherit
             os.environ["SAO_AUTH_TOKEN"] = FLAGS.auth_token

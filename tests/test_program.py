@@ -84,6 +84,8 @@ def test_local_mt_runs_the_same_program_in_threads(warm_start, tmp_path):
     ("--queue_capacity=4", "deadlock"),
     ("--eps_low=1.5", "eps_low=1.5"),
     ("--launch=cluster", "launch='cluster'"),
+    ("--weight_sync_mode=pause", "weight_sync_mode='pause'"),
+    ("--vllm_weight_sync_mode=abort", "--vllm_weight_sync_mode was renamed --weight_sync_mode"),
 ])
 def test_invalid_config_fails_before_launch(tmp_path, flag, message):
     run_dir = tmp_path / "run"

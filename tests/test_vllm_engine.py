@@ -308,6 +308,114 @@ def test_abort_mode_in_flight_requests_restart_on_new_weights(served, tmp_path):
                                    atol=ATOL, rtol=0)
 
 
+def test_an_actor_pushes_a_version_published_mid_generation_into_its_requests(served,
+                                                                              tmp_path):
+    """The actor's weight thread (weight_sync_mode keep) pushes a version published while its
+    batch is in flight; the rollouts record the switch token by token. The hold scheduler holds
+    every request at HOLD tokens until the push's /resume: the version is published only then,
+    so nothing races."""
+    import weight_sync_fixtures as wf
+    engine, model, base, _ = served
+    engine.weight_sync_mode = "keep"
+    batch = 8
+    old_model, new_model = tiny_model(seed=3), tiny_model(seed=3)
+    old_model.load_state_dict(base)
+    new = perturbed(base, seed=5)
+    new_model.load_state_dict(new)
+    old_version = load(engine, model, base)
+    _VERSION[0] += 1
+    new_version = _VERSION[0]
+    versions = wf.Versions(batch_size=batch, max_staleness=2)
+    signal_file = tmp_path / "held_actor.json"
+    engine.request_extra_args = {"sao_hold": {"group": "actor", "size": batch, "tokens": HOLD,
+                                              "signal_file": str(signal_file)}}
+    out = {}
+    try:
+        versions.publish(old_version, base)
+        actor, sink = wf.make_actor(engine, versions, str(tmp_path / "spool"), batch,
+                                    SamplingParams(max_new_tokens=LONG, temperature=1.0, seed=0),
+                                    max_sequence_length=MAX_POS)
+
+        def run():
+            try:
+                actor.run()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                out["error"] = e
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        deadline = time.time() + 300
+        while not signal_file.exists():
+            if not worker.is_alive() or time.time() > deadline:
+                engine.server.call("POST", "/resume")
+                worker.join(timeout=120)
+                pytest.fail(f"the actor's requests were never held: {out.get('error')!r}; "
+                            f"log {engine.server.log_path}:\n{engine.server.log_tail()}")
+            time.sleep(0.01)
+        held = json.loads(signal_file.read_text())
+        assert held["held"] and held["tokens"] == [HOLD] * batch, held
+        versions.publish(new_version, new)   # the actor's weight thread pushes it: /resume
+        worker.join(timeout=300)
+    finally:
+        engine.request_extra_args = None
+        versions.close()
+    assert not worker.is_alive() and "error" not in out, out.get("error")
+    model.load_state_dict(new)                # the reference follows the served weights
+    assert engine.version == new_version and actor.counters["weights_offered"] == 1
+    assert len(sink.sent) == batch
+    for r in sink.sent:
+        prompt = [int(t) for t, m in zip(r.tokens, r.action_mask) if not m]
+        tokens = wf.action_part(r, "tokens")
+        assert len(tokens) == LONG or tokens[-1] == TOK.eos_id
+        assert wf.action_part(r, "versions") == \
+            [old_version] * HOLD + [new_version] * (len(tokens) - HOLD)
+        lp = torch.tensor(wf.action_part(r, "rollout_logp"))
+        torch.testing.assert_close(lp[:HOLD], teacher_forced(old_model, prompt, tokens)[:HOLD]
+                                   .to(lp.dtype), atol=ATOL, rtol=0)
+        torch.testing.assert_close(lp[HOLD:], teacher_forced(new_model, prompt, tokens)[HOLD:]
+                                   .to(lp.dtype), atol=ATOL, rtol=0)
+        assert r.staleness(new_version) == 1     # its oldest token's version decides
+    assert engine.weight_sync_counters()["sequences_switched"] >= batch
+
+
+def test_off_mode_loads_between_generate_calls(served, tmp_path):
+    """weight_sync_mode off: a load waits for the generate call in flight. The call's requests
+    are held mid-flight (hold scheduler) while a load is started, then resumed by hand: every
+    token still has the old version, and the load lands after the call."""
+    engine, model, base, _ = served
+    old_version = load(engine, model, base)
+    engine.weight_sync_mode = "off"
+    signal_file = tmp_path / "held_off.json"
+    engine.request_extra_args = {"sao_hold": {"group": "off", "size": len(PROMPTS),
+                                              "tokens": HOLD, "signal_file": str(signal_file)}}
+    out = {}
+
+    def gen():
+        out["g"] = engine.generate(PROMPTS, SamplingParams(max_new_tokens=LONG, seed=0))
+
+    def update():
+        out["v"] = load(engine, model, perturbed(base, seed=6))
+    worker, loader = threading.Thread(target=gen, daemon=True), None
+    try:
+        worker.start()
+        deadline = time.time() + 300
+        while not signal_file.exists():
+            assert worker.is_alive() and time.time() < deadline, "requests never held"
+            time.sleep(0.01)
+        loader = threading.Thread(target=update, daemon=True)
+        loader.start()                          # waits for the call in flight
+        engine.server.call("POST", "/resume")   # the held requests finish on the old weights
+        worker.join(timeout=300)
+        loader.join(timeout=300)
+    finally:
+        engine.request_extra_args = None
+        engine.weight_sync_mode = "keep"
+    assert not worker.is_alive() and not loader.is_alive()
+    assert {v for g in out["g"] for v in g.versions} == {old_version}
+    assert engine.version == out["v"] > old_version
+    after = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=0))
+    assert {v for g in after for v in g.versions} == {out["v"]}
+
+
 # --- a Hugging Face model directory: tiny Qwen3, BPE tokenizer, chat template, tied head -----
 CHATS = ["What is 2 plus 3?", "Hello there", "Say the number 7.", "Is 12 even? Answer yes or no."]
 
@@ -549,9 +657,9 @@ def test_server_code_imports_nothing_from_the_main_environment():
 def test_config_validates_the_vllm_fields(tmp_path):
     with pytest.raises(ConfigError, match="vllm_python=.*does not exist.*make vllm-env"):
         SAOConfig(engine="vllm", vllm_python=str(tmp_path / "no_python"))
-    with pytest.raises(ConfigError, match="vllm_weight_sync_mode='pause'"):
-        SAOConfig(engine="vllm", vllm_weight_sync_mode="pause")
-    config = SAOConfig(engine="vllm", vllm_weight_sync_mode="abort")
+    with pytest.raises(ConfigError, match="weight_sync_mode='pause'"):
+        SAOConfig(engine="vllm", weight_sync_mode="pause")
+    config = SAOConfig(engine="vllm", weight_sync_mode="abort")
     assert SAOConfig.from_json(config.to_json()) == config
 
 

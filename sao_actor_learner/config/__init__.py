@@ -17,7 +17,7 @@ from sao_actor_learner.config.learner import LearnerConfig
 from sao_actor_learner.config.sections import (  # noqa: F401  (re-exported)
     ACTOR_DELAYS, ALGORITHMS, CRITIC_FREE_BASELINES, DTYPES, ENGINES, GAE_MODES,
     KERNEL_BACKENDS, LAUNCH_TYPES, LEARNER_STRATEGIES, LOSS_NORMALIZATIONS, POLICY_LOSSES,
-    PROGRAM_GROUPS, TASKS, VLLM_WEIGHT_SYNC_MODES, ActorConfig, ConfigError, DatasetConfig,
+    PROGRAM_GROUPS, TASKS, WEIGHT_SYNC_MODES, ActorConfig, ConfigError, DatasetConfig,
     EngineConfig, EvalConfig, LaunchConfig, ProgramConfig, ReplayConfig, Section,
     parse_ray_resources, raise_config_error)
 
@@ -40,6 +40,16 @@ S = TypeVar("S", bound=Section)
 REMOVED_FIELDS = {
     "replay_exactly_once": "exactly-once training is end to end now (actors keep rollouts until "
                            "the learner acknowledges them); replay is a plain FIFO",
+}
+# Fields of earlier config.json files that another field took over: old name -> (new name,
+# the new field's value for a file that has the old one, why). A file never has both.
+RENAMED_FIELDS = {
+    "vllm_weight_sync_mode": (
+        "weight_sync_mode", lambda old: "off",
+        "weight_sync_mode (off, keep, abort) applies to both engines and reaches generations "
+        "in flight; vllm_weight_sync_mode only chose what a vLLM server did to requests in "
+        "flight during a weight load, and actors then loaded weights between batches only, so "
+        "a run that had it ran weight_sync_mode=off"),
 }
 
 
@@ -106,10 +116,16 @@ class SAOConfig(LaunchConfig, EvalConfig, DatasetConfig, LearnerConfig, EngineCo
     @classmethod
     def from_json(cls, text: str) -> "SAOConfig":
         """A config from `to_json` output, also from earlier versions (REMOVED_FIELDS are
-        ignored)."""
+        ignored, RENAMED_FIELDS read as their new field)."""
         fields = json.loads(text)
         for name in REMOVED_FIELDS:
             fields.pop(name, None)
+        for old, (new, value, _) in RENAMED_FIELDS.items():
+            if old in fields:
+                if new in fields:
+                    raise ConfigError(f"config.json has both {old!r} (an earlier name) and "
+                                      f"{new!r}; keep only {new!r}")
+                fields[new] = value(fields.pop(old))
         return cls(**fields)
 
     # Validation ------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional, Tuple
 LAUNCH_TYPES = ("local_mt", "local_mp", "ray")
 TASKS = ("arithmetic", "online_shift", "calculator_tool", "dataset")
 ENGINES = ("torch", "vllm")
-VLLM_WEIGHT_SYNC_MODES = ("keep", "abort")
+# What a new version does to generations in flight (core.WEIGHT_SYNC_MODES; docs/DESIGN.md).
+WEIGHT_SYNC_MODES = ("off", "keep", "abort")
 GAE_MODES = ("skip_observation", "standard")
 LOSS_NORMALIZATIONS = ("action_tokens", "kept_tokens")
 POLICY_LOSSES = ("dis", "ppo_clip", "tis", "icepop", "none")
@@ -255,8 +256,10 @@ class EngineConfig(Section):
     """The generation engine: the built-in torch engine or a vLLM server per node."""
     engine: str = option("torch", "Generation engine: torch (in-process) or vllm (a vLLM "
                          "server per actor, in its own venv).")
-    vllm_weight_sync_mode: str = option("keep", "keep: in-flight requests continue on the new "
-                                        "weights; abort: they are restarted.")
+    weight_sync_mode: str = option("keep", "What a new version does to an actor's generations "
+                                   "in flight (both engines): keep: they continue on the new "
+                                   "weights from the next token; abort: they restart from "
+                                   "their prompts; off: weights change between batches only.")
     vllm_python: str = option("", "The vLLM environment's python; empty: $SAO_VLLM_PYTHON or "
                               ".venv-vllm/bin/python.")
     vllm_start_timeout_s: float = option(300.0, "A vLLM server not healthy by then is an "
@@ -272,10 +275,11 @@ class EngineConfig(Section):
 
     def check(self, fail: Fail) -> None:
         choice(self, "engine", ENGINES, fail)
-        if self.vllm_weight_sync_mode not in VLLM_WEIGHT_SYNC_MODES:
-            fail(f"vllm_weight_sync_mode={self.vllm_weight_sync_mode!r}: must be one of "
-                 f"{', '.join(VLLM_WEIGHT_SYNC_MODES)} (keep: in-flight requests continue on the "
-                 "new weights; abort: they are aborted and restarted)")
+        if self.weight_sync_mode not in WEIGHT_SYNC_MODES:
+            fail(f"weight_sync_mode={self.weight_sync_mode!r}: must be one of "
+                 f"{', '.join(WEIGHT_SYNC_MODES)} (keep: generations in flight continue on the "
+                 "new weights; abort: they restart from their prompts; off: weights change "
+                 "only between batches)")
         if not self.vllm_start_timeout_s > 0:
             fail(f"vllm_start_timeout_s={self.vllm_start_timeout_s}: must be > 0 seconds")
         if self.vllm_max_restarts < 0:
