@@ -217,20 +217,24 @@ def make_engine(config: SAOConfig, role: str = "actor", run_dir: Optional[str] =
     """The Engine of an actor (role "actor_<i>") or the evaluator (role "evaluator").
 
     engine="vllm" starts a vLLM server for this node (log: <run_dir>/logs/vllm_<role>.log); the
-    evaluator keeps the torch engine unless vllm_evaluator (same weights, greedy).
+    evaluator keeps the torch engine unless vllm_evaluator (same weights, greedy). Actors' engines
+    take config.weight_sync_mode (off with forced staleness: those weights are old on purpose);
+    the evaluator's is off (docs/DESIGN.md "Weight sync modes").
     """
+    sync = config.weight_sync_mode if role.startswith("actor") and \
+        config.forced_staleness < 0 else "off"
     if config.engine == "vllm" and (role != "evaluator" or config.vllm_evaluator):
         from sao_actor_learner.engines import VLLMEngine
         log_dir = os.path.join(run_dir or config.run_dir, "logs")
         return VLLMEngine.from_checkpoint(
-            config.model, weight_sync_mode=config.vllm_weight_sync_mode,
+            config.model, weight_sync_mode=sync,
             python=config.vllm_python, log_path=os.path.join(log_dir, f"vllm_{role}.log"),
             start_timeout_s=config.vllm_start_timeout_s, max_restarts=config.vllm_max_restarts,
             kv_cache_gb=config.vllm_kv_cache_gb, threads=config.threads_per_process,
             enforce_eager=config.vllm_enforce_eager, seed=config.seed,
             max_concurrency=max(config.actor_batch * max(config.group_size, 1), 1))
     from sao_actor_learner.engines import TorchEngine
-    return TorchEngine.from_checkpoint(config.model)
+    return TorchEngine.from_checkpoint(config.model, weight_sync_mode=sync)
 
 
 def assemble_learner(config: SAOConfig, policy, critic=None, source=None, *, publisher=None,
@@ -440,6 +444,7 @@ def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_
         max_turns=config.max_turns, env_threads=config.env_threads,
         stats_path=os.path.join(run_dir, f"actor_{actor_id}_stats.json"),
         group_size=config.group_size, forced_staleness=config.forced_staleness,
+        weight_poll_s=config.variable_update_period_s,
         delay_sampler=make_delay_sampler(config.actor_delay, config.actor_delay_mean_s,
                                          config.actor_delay_max_s, config.actor_delay_tail,
                                          delay_rng))

@@ -4,7 +4,12 @@
 <run_dir>/generate_calls_actor_<id>.jsonl:
 
     {"t0": start, "t1": end (time.time()), "version": policy version at the start,
-     "version_end": at the end, "n": prompts}
+     "version_end": at the end, "n": prompts, "tokens": tokens returned,
+     "switched": generations whose tokens carry more than one version,
+     "lag_hist": [tokens whose version is d above their generation's first token's, d = 0..]}
+
+It forwards the weight-sync contract (weight_sync_mode, offer_weights, weight_sync_counters) to
+the engine it wraps, so logging does not turn interruptible weight sync off.
 
 `make_program_with_generate_log` is the SAO program with such actors (builder.make_program's
 actor_factory). The lock-step test (tests/test_lockstep.py) counts the rollouts each version
@@ -35,13 +40,31 @@ class GenerateLogEngine(core.Engine):
     def generate(self, prompts, params):
         t0, version = time.time(), self._engine.version
         gens = self._engine.generate(prompts, params)
+        lag: List[int] = []
+        for g in gens:
+            for v in g.versions:
+                d = int(v) - int(g.versions[0])
+                lag.extend([0] * (d + 1 - len(lag)))
+                lag[d] += 1
         self._log.write(json.dumps({"t0": t0, "t1": time.time(), "version": version,
                                     "version_end": self._engine.version,
-                                    "n": len(prompts)}) + "\n")
+                                    "n": len(prompts), "tokens": sum(lag),
+                                    "switched": sum(len(set(g.versions)) > 1 for g in gens),
+                                    "lag_hist": lag}) + "\n")
         return gens
 
     def load_weights(self, state_dict, version):
         self._engine.load_weights(state_dict, version)
+
+    @property
+    def weight_sync_mode(self):
+        return self._engine.weight_sync_mode
+
+    def offer_weights(self, state_dict, version):
+        self._engine.offer_weights(state_dict, version)
+
+    def weight_sync_counters(self):
+        return self._engine.weight_sync_counters()
 
     @property
     def version(self):

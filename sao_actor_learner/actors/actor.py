@@ -14,8 +14,13 @@ still holds from before it. Everything a rollout goes through is in that order, 
 what it costs to keep it is in spool.py, what delays it in delivery.py.
 
 Weights: the variable client fetches new versions in the background; the engine switches
-between batches. Forced staleness (a drift experiment) generates with the weights of version
-P - k, P being the version admission granted at.
+between batches. With an engine whose weight_sync_mode is keep or abort, a weight thread
+(`_feed_weights`) also hands every new version to the engine (`offer_weights`) as soon as the
+client holds it, while a batch is being generated, so it reaches the generations in flight
+(docs/DESIGN.md "Weight sync modes"); a rollout's per-token versions record the switch and its
+staleness is that of its oldest token, so admission and the learner's bound still hold. Forced
+staleness (a drift experiment) generates with the weights of version P - k, P being the version
+admission granted at (no weight thread then).
 """
 from __future__ import annotations
 
@@ -64,6 +69,8 @@ class Actor(core.Worker):
         admission with max_staleness 0 and keep_versions > k; the builder sets both). -1: off.
       max_waiting: with delays, the most rollouts waiting at once; None: 4 actor batches.
       ack_period_s: how often the actor asks which of its rollouts the learner consumed.
+      weight_poll_s: with engine.weight_sync_mode keep/abort, how often the weight thread
+        looks for a new version (the variable client's update period).
     """
 
     def __init__(self, actor_id: int, task: core.Task, engine: core.Engine, variables,
@@ -73,7 +80,8 @@ class Actor(core.Worker):
                  env_threads: int = 1, stats_path: Optional[str] = None,
                  max_rollouts: Optional[int] = None, group_size: int = 1,
                  delay_sampler=None, forced_staleness: int = -1,
-                 max_waiting: Optional[int] = None, ack_period_s: float = 0.5):
+                 max_waiting: Optional[int] = None, ack_period_s: float = 0.5,
+                 weight_poll_s: float = 0.05):
         if group_size < 1 or forced_staleness < -1:
             raise ValueError(f"group_size={group_size}, forced_staleness={forced_staleness}: "
                              "need group_size >= 1 and forced_staleness >= -1")
@@ -99,11 +107,21 @@ class Actor(core.Worker):
         self._ack_period_s = ack_period_s
         self._stop = threading.Event()
         self._lock = threading.Lock()        # counters, _in_delivery, _release_owed
+        # Weights in flight (docs/DESIGN.md "Weight sync modes"): the weight thread offers each
+        # new version to the engine while it generates; _weights_lock makes the thread's offers
+        # and the loop's loads one sequence, so the engine's version never goes back.
+        self._feeding = engine.weight_sync_mode != "off" and forced_staleness < 0
+        self._weight_poll_s = float(weight_poll_s)
+        self._weights_lock = threading.Lock()
+        self._offered = -1
+        self._feeder: Optional[threading.Thread] = None
+        self._feeder_error: Optional[BaseException] = None
         self.counters: Dict[str, float] = {
             "rollouts_generated": spool.completed + sum(spool.refused.values()),
             "rollouts_inserted": spool.sent_once, "rollouts_resent": 0,
             "rollouts_acknowledged": spool.acknowledged, "admission_waits": 0,
-            "weight_updates": 0, "reward_sum": 0.0, "injected_delay_s": 0.0}
+            "weight_updates": 0, "weights_offered": 0, "reward_sum": 0.0,
+            "injected_delay_s": 0.0}
         self._loss_epoch = 0                  # the learner's, as last acknowledged
         self._last_ack_poll = 0.0
         self._admit_failures = 0
@@ -209,9 +227,35 @@ class Actor(core.Worker):
         if self._forced_staleness >= 0 and self._engine.version >= 0:
             return  # the engine runs an older version on purpose; `_admitted` picks it
         v, params = self._variables.get_variables()  # one consistent (version, weights) pair
-        if v >= 0 and v != self._engine.version:
-            self._engine.load_weights(self._decode(params), v)
-            self.counters["weight_updates"] += 1
+        with self._weights_lock:
+            current = self._engine.version
+            if v >= 0 and (v > current if self._feeding else v != current):
+                self._engine.load_weights(self._decode(params), v)
+                self.counters["weight_updates"] += 1
+
+    def _feed_weights(self) -> None:
+        """The weight thread (weight_sync_mode keep/abort): offers the engine every version
+        newer than its own as soon as the variable client holds it, also mid-generation. A
+        failure stops the actor; run() raises it."""
+        try:
+            while not self._stop.wait(self._weight_poll_s):
+                try:
+                    self._variables.update()      # a background fetch, when one is due
+                except Exception as e:
+                    if not _retryable(e):
+                        raise
+                    continue
+                v, params = self._variables.get_variables()
+                with self._weights_lock:
+                    if v < 0 or v <= max(self._offered, self._engine.version):
+                        continue
+                    self._engine.offer_weights(self._decode(params), v)
+                    self._offered = v
+                with self._lock:
+                    self.counters["weights_offered"] += 1
+        except BaseException as e:  # noqa: BLE001 - re-raised by run()
+            self._feeder_error = e
+            self._stop.set()
 
     def _admitted(self) -> int:
         """How many rollouts this actor may start now.
@@ -286,11 +330,21 @@ class Actor(core.Worker):
                 **counters, "actor_id": self.actor_id, "engine_version": self._engine.version,
                 "rollouts_held": self._spool.held, "loss_epoch": self._loss_epoch,
                 "rejected": self._spool.refused, "env_counters": dict(self.env_counters),
+                "weight_sync_mode": self._engine.weight_sync_mode if self._feeding else "off",
+                "engine_counters": self._engine.weight_sync_counters(),
                 "time": time.time()})
 
     def run(self) -> None:
+        if self._feeding:
+            logging.info("actor %d: weight_sync_mode=%s: new versions reach generations in "
+                         "flight", self.actor_id, self._engine.weight_sync_mode)
+            self._feeder = threading.Thread(target=self._feed_weights, daemon=True,
+                                            name=f"actor-{self.actor_id}-weights")
+            self._feeder.start()
         try:
             self._run()
+            if self._feeder_error is not None:
+                raise self._feeder_error
             if self._delivery is not None:
                 self._delivery.close(drain=True)
         except BaseException:
@@ -299,6 +353,9 @@ class Actor(core.Worker):
                 self._delivery.close(drain=False)   # what waits stays in the spool
             raise
         finally:
+            if self._feeder is not None:
+                self._stop.set()
+                self._feeder.join(timeout=60.0)
             self._task.close()
         self._write_stats()
 
