@@ -61,8 +61,9 @@ def main(argv) -> None:
 
     torch.set_num_threads(FLAGS.threads)
     torch.manual_seed(FLAGS.seed)
-    tokenizer = AutoTokenizer.from_pretrained(FLAGS.model)
-    model = AutoModelForCausalLM.from_pretrained(FLAGS.model, torch_dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(FLAGS.model, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(FLAGS.model, dtype=torch.float32,
+                                                 local_files_only=True)
     sft = [(r["prompt"], r["response"]) for path in FLAGS.sft_files for r in read_rows(path)]
     test = [(r["prompt"], str(r["reward_model"]["ground_truth"]))
             for path in FLAGS.eval_files for r in read_rows(path)][:FLAGS.eval_size]

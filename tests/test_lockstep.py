@@ -68,8 +68,8 @@ def test_lockstep_generates_one_batch_per_version_and_trains_it_at_the_next_step
 def test_async_generates_ahead_where_lockstep_does_not(warm_start, tmp_path):
     # The contrast that shows the checks above can fail: with max_staleness=2 actors start up to
     # 3 batches with version 0 while the learner is still on its first step. (weight_sync_mode
-    # off: each call keeps one version, as the per-call count assumes; in lock-step no version
-    # is published while a call is in flight, so the default keep never switches inside one.)
+    # off, the default, said explicitly: each call keeps one version, as the per-call count
+    # assumes.)
     config = _config(warm_start, tmp_path / "run", max_staleness=2, max_steps=3,
                      weight_sync_mode="off")
     run_program(config, make_program_with_generate_log, progress=False)

@@ -256,10 +256,10 @@ class EngineConfig(Section):
     """The generation engine: the built-in torch engine or a vLLM server per node."""
     engine: str = option("torch", "Generation engine: torch (in-process) or vllm (a vLLM "
                          "server per actor, in its own venv).")
-    weight_sync_mode: str = option("keep", "What a new version does to an actor's generations "
-                                   "in flight (both engines): keep: they continue on the new "
-                                   "weights from the next token; abort: they restart from "
-                                   "their prompts; off: weights change between batches only.")
+    weight_sync_mode: str = option("off", "What a new version does to an actor's generations "
+                                   "in flight (both engines): off: weights change between "
+                                   "batches only; keep: they continue on the new weights from "
+                                   "the next token; abort: they restart from their prompts.")
     vllm_python: str = option("", "The vLLM environment's python; empty: $SAO_VLLM_PYTHON or "
                               ".venv-vllm/bin/python.")
     vllm_start_timeout_s: float = option(300.0, "A vLLM server not healthy by then is an "
