@@ -125,7 +125,7 @@ def test_forced_staleness_keeps_the_weight_thread_off(versions, tmp_path):
 
 
 def test_weight_sync_mode_config_and_the_earlier_name(tmp_path):
-    assert SAOConfig().weight_sync_mode == "keep"
+    assert SAOConfig().weight_sync_mode == "off"   # opt-in: every rollout one version by default
     for mode in ("off", "keep", "abort"):
         config = SAOConfig(weight_sync_mode=mode)
         assert SAOConfig.from_json(config.to_json()) == config
