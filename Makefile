@@ -92,8 +92,8 @@ run-calculator-tool: venv warm-start-calculator-tool
 	    --run_dir=runs/calculator_tool
 
 # Bring your own model, tested tiny: a 1.4M-parameter Qwen3 with a byte-level BPE tokenizer
-# (seconds), GSM8K-style word problems in verl's schema (seconds), its SFT warm start (~5-8 min
-# on 2 cores), then ~20 min of SAO on the dataset task scored by the gsm8k reward.
+# (seconds), GSM8K-style word problems in verl's schema (seconds), its SFT warm start (~10 min
+# on 2 cores), then ~11 min of SAO (200 steps) on the dataset task scored by the gsm8k reward.
 TINY_QWEN3 ?= checkpoints/tiny_qwen3
 GSM_TINY ?= data/gsm_tiny
 DATASET_WARM_START ?= checkpoints/warm_start_dataset
