@@ -33,6 +33,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from programs import sweeps  # noqa: E402
+from programs.studies import metrics as study_metrics  # noqa: E402
 from sao_actor_learner.builder import make_program
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.flags import config_from_flags, define_flags_from_dataclass
@@ -75,37 +76,19 @@ def recovery(rewards_by_step, shift_every, max_steps, window, fraction, eval_by_
     phase's mean reward (higher: faster adaptation) and steps to recover (None when not within
     the phase). With `eval_by_step` (held-out accuracy under the current rule by version) also
     eval_pre (the last accuracy before the shift), eval_at_shift and eval_steps_to_recover (first
-    evaluated version in the phase at fraction x eval_pre, minus the shift version)."""
-    steps = sorted(rewards_by_step)
-    values = [rewards_by_step[s] for s in steps]
-    smooth = dict(zip(steps, sweeps._windowed(values, window)))
+    evaluated version in the phase at fraction x eval_pre, minus the shift version). The rules
+    are programs/studies/metrics.py's `recovery` and `eval_recovery`."""
+    evals = {e["shift"]: e for e in study_metrics.eval_recovery(eval_by_step or {}, shift_every,
+                                                                max_steps, fraction)}
     out = []
-    for j, s in enumerate(range(shift_every, max_steps, shift_every), start=1):
-        before = [rewards_by_step[t] for t in steps if s - window < t <= s]
-        after = [t for t in steps if s < t <= min(s + shift_every, max_steps)]
-        if not before or not after:
-            continue
-        level = sum(before) / len(before)
-        # Rollouts trained just after the shift were made (and rewarded) before it, so the
-        # reward falls only some steps later: recovery is counted from the dip onwards.
-        dip_step = min(after, key=lambda t: smooth[t])
-        if smooth[dip_step] >= fraction * level:
-            recovered = s  # it never fell below the threshold
-        else:
-            recovered = next((t for t in after if t > dip_step and
-                              smooth[t] >= fraction * level), None)
-        out.append({"shift": j, "shift_step": s, "to_phase": j % 2, "pre_level": level,
-                    "dip": smooth[dip_step], "dip_step": dip_step,
-                    "phase_mean_reward": sum(rewards_by_step[t] for t in after) / len(after),
-                    "steps_to_recover": None if recovered is None else recovered - s})
-        evals = eval_by_step or {}
-        pre = [v for v in sorted(evals) if v < s]
-        post = [v for v in sorted(evals) if s <= v < s + shift_every or v == max_steps > s]
-        if pre and post:
-            level = evals[pre[-1]]
-            back = next((v for v in post if evals[v] >= fraction * level), None)
-            out[-1].update(eval_pre=level, eval_at_shift=evals[post[0]],
-                           eval_steps_to_recover=None if back is None else back - s)
+    for r in study_metrics.recovery(rewards_by_step, shift_every, max_steps, window, fraction):
+        row = {k: v for k, v in r.items() if k != "phase_mean"}
+        row["phase_mean_reward"] = r["phase_mean"]
+        e = evals.get(r["shift"])
+        if e is not None:
+            row.update(eval_pre=e["pre_level"], eval_at_shift=e["at_shift"],
+                       eval_steps_to_recover=e["steps_to_recover"])
+        out.append(row)
     return out
 
 
@@ -131,7 +114,7 @@ def plot(rows, shift_every, max_steps, eval_every, path, title):
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
     for label, dirs in sorted(groups.items()):
         steps, reward = sweeps.mean_curve(dirs, "reward_mean")
-        axes[0].plot(steps, sweeps._windowed(reward, 3), label=f"{label} (n={len(dirs)})")
+        axes[0].plot(steps, study_metrics.moving_average(reward, 3), label=f"{label} (n={len(dirs)})")
         steps, acc = sweeps.mean_curve(dirs, "eval_accuracy", kind="eval",
                                        bin_size=eval_every)
         axes[1].plot(steps, acc, marker="o", markersize=3, label=label)

@@ -23,6 +23,7 @@ import time
 import traceback
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from programs.studies.metrics import moving_average
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.observers import read_metrics, write_json_atomic
 
@@ -134,18 +135,13 @@ def _mean(rows: Sequence[Dict], key: str) -> Optional[float]:
     return sum(vals) / len(vals) if vals else None
 
 
-def _windowed(values: Sequence[float], window: int) -> List[float]:
-    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
-            for i in range(len(values))]
-
-
 def is_collapsed(rewards: Sequence[float], initial_eval: Optional[float],
                  final_eval: Optional[float], nonfinite: bool) -> bool:
     """The collapse rule of this module's docstring constants (see COLLAPSE_*)."""
     if nonfinite:
         return True
     if rewards:
-        smooth = _windowed(list(rewards), REWARD_WINDOW)
+        smooth = moving_average(list(rewards), REWARD_WINDOW)
         if max(smooth) > 0 and smooth[-1] < COLLAPSE_REWARD_FRACTION * max(smooth):
             return True
     if initial_eval is not None and final_eval is not None:
@@ -159,7 +155,7 @@ def result_row(cell: Cell, config: SAOConfig, summary: Dict, status: str = "ok")
     rewards = [r["reward_mean"] for r in train if isinstance(r.get("reward_mean"), (int, float))]
     nonfinite = any(not isinstance(r.get("policy_loss", 0.0), (int, float)) or
                     not math.isfinite(r.get("policy_loss", 0.0)) for r in train)
-    smooth = _windowed(rewards, REWARD_WINDOW) if rewards else []
+    smooth = moving_average(rewards, REWARD_WINDOW) if rewards else []
     prompts, group = parse_shape(cell.shape)
     row = {
         "method": cell.method, "algorithm": config.algorithm, "policy_loss": config.policy_loss,
@@ -395,7 +391,7 @@ def plot_reward_curves(rows: Sequence[Dict], path: str, title: str = "",
         for label, dirs in sorted(lines.items()):
             steps, values = mean_curve(dirs, "reward_mean")
             if steps:
-                ax.plot(steps, _windowed(values, smooth), label=f"{label} (n={len(dirs)})")
+                ax.plot(steps, moving_average(values, smooth), label=f"{label} (n={len(dirs)})")
         mode = rows[0]["staleness_mode"] if rows else "limit"
         ax.set_title(f"{'staleness k' if mode == 'forced' else 'max_staleness'} = {eta}")
         ax.set_xlabel("learner step")

@@ -25,6 +25,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from programs import sweeps  # noqa: E402
+from programs.studies import metrics as study_metrics  # noqa: E402
 from sao_actor_learner.builder import make_program
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.flags import config_from_flags, define_flags_from_dataclass
@@ -79,7 +80,7 @@ def plot(rows, path, title):
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for n, group in sorted(by_steps.items()):
         steps, ev = sweeps.mean_curve([r["run_dir"] for r in group], "explained_variance")
-        axes[0].plot(steps, sweeps._windowed(ev, 3), label=f"pretrain {n} steps (n={len(group)})")
+        axes[0].plot(steps, study_metrics.moving_average(ev, 3), label=f"pretrain {n} steps (n={len(group)})")
     axes[0].set_xlabel("RL step")
     axes[0].set_ylabel("critic explained variance")
     axes[0].grid(alpha=0.3)
