@@ -264,8 +264,11 @@ class CountingTask(core.Task):
 def test_actor_group_mode_repeats_each_prompt_g_times(tmp_path):
     from sao_actor_learner.actors.spool import RolloutSpool
 
+    from types import SimpleNamespace
+
     spool = RolloutSpool(str(tmp_path / "spool"))
-    actor = Actor(0, CountingTask(), engine=None, variables=None, sink=None, decode=None,
+    engine = SimpleNamespace(weight_sync_mode="off")   # prompts_for generates nothing
+    actor = Actor(0, CountingTask(), engine=engine, variables=None, sink=None, decode=None,
                   params=None, spool=spool, actor_batch=8, group_size=4)
     ids = [p.prompt_id for p in actor.prompts_for(8)]
     assert ids == [1, 1, 1, 1, 2, 2, 2, 2]
