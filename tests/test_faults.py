@@ -563,6 +563,7 @@ def test_actor_asks_admission_again_when_the_variable_server_is_away(tmp_path):
 
     class Engine:
         version = 0
+        weight_sync_mode = "off"
 
     variables = FlakyVariables()
     actor = Actor(0, task=_NoTask(), engine=Engine(), variables=variables, sink=None,
