@@ -3,6 +3,7 @@
 Tokenizer    text <-> token ids for one model: BOS, stop ids, chat template, response decoding.
 Engine       generates tokens with per-token log-probs and policy versions; takes new weights
              between calls or, with a weight sync mode, while generations are in flight.
+EngineWrapper  an Engine around another, delegating the whole contract.
 Task         hands out prompts and makes an Environment per episode; scores answers.
 Environment  one episode: takes the model's turn, answers with observation tokens and a reward.
 VariableSource  something that holds policy variables (the learner, the variable server).
@@ -181,6 +182,40 @@ class Engine(abc.ABC):
 
     def close(self) -> None:
         """Releases processes or memory the engine holds."""
+
+
+class EngineWrapper(Engine):
+    """An Engine around another (`engine`): the whole contract (generate, load_weights, version,
+    weight_sync_mode, offer_weights, weight_sync_counters, close) is delegated to it, and its
+    `tokenizer` is kept. A subclass overrides what it changes, usually `generate`, so a wrapper
+    never drops part of the contract (e.g. the sync mode of the engine it wraps)."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        self.tokenizer = engine.tokenizer
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> List[Generation]:
+        return self._engine.generate(prompts, params)
+
+    def load_weights(self, state_dict: dict, version: int) -> None:
+        self._engine.load_weights(state_dict, version)
+
+    @property
+    def version(self) -> int:
+        return self._engine.version
+
+    @property
+    def weight_sync_mode(self) -> str:  # type: ignore[override]
+        return self._engine.weight_sync_mode
+
+    def offer_weights(self, state_dict: dict, version: int) -> None:
+        self._engine.offer_weights(state_dict, version)
+
+    def weight_sync_counters(self) -> Dict[str, float]:
+        return self._engine.weight_sync_counters()
+
+    def close(self) -> None:
+        self._engine.close()
 
 
 @dataclasses.dataclass(frozen=True)

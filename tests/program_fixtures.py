@@ -5,17 +5,16 @@ import math
 from sao_actor_learner import builder, core
 
 
-class CorruptingEngine(core.Engine):
+class CorruptingEngine(core.EngineWrapper):
     """Wraps a real engine and breaks some of its generations, as a buggy engine would.
 
     Every 3rd generation gets a NaN log-prob, every 5th an out-of-vocabulary token id.
     """
 
     def __init__(self, engine, vocab_size):
-        self._engine = engine
+        super().__init__(engine)
         self._vocab_size = vocab_size
         self._count = 0
-        self.tokenizer = engine.tokenizer
 
     def generate(self, prompts, params):
         gens = self._engine.generate(prompts, params)
@@ -26,13 +25,6 @@ class CorruptingEngine(core.Engine):
             elif self._count % 5 == 0 and g.tokens:
                 g.tokens[0] = self._vocab_size + 7
         return gens
-
-    def load_weights(self, state_dict, version):
-        self._engine.load_weights(state_dict, version)
-
-    @property
-    def version(self):
-        return self._engine.version
 
 
 def make_corrupting_actor(config, actor_id, replay_address, variables_address, run_dir=None,

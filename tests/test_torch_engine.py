@@ -300,3 +300,29 @@ def test_offers_between_calls_stale_offers_and_bad_offers():
     assert engine.version == 6 and engine.pending_version is None
     with pytest.raises(ValueError, match="weight_sync_mode='pause'"):
         TorchEngine(a, TOK.eos_id, TOK.pad_id, weight_sync_mode="pause")
+
+
+def test_an_engine_wrapper_delegates_the_whole_contract():
+    """core.EngineWrapper forwards generation, both ways weights arrive, the sync mode and its
+    counters, and keeps the tokenizer: a wrapper that changes only generate keeps the rest."""
+    from sao_actor_learner.core import EngineWrapper
+    from sao_actor_learner.models.checkpoint import sync_state_dict
+
+    class Doubling(EngineWrapper):   # changes only generate
+        def generate(self, prompts, params):
+            return self._engine.generate([p + p for p in prompts], params)
+
+    inner = TorchEngine(make_tiny_model("llama", vocab_size=TOK.vocab_size, seed=4), TOK.eos_id,
+                        TOK.pad_id, weight_sync_mode="keep")
+    inner.tokenizer = TOK
+    wrapped = Doubling(inner)
+    assert wrapped.tokenizer is TOK and wrapped.weight_sync_mode == "keep"
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, seed=0)
+    assert [g.tokens for g in wrapped.generate([TOK.encode("1+")], params)] == \
+        [g.tokens for g in inner.generate([TOK.encode("1+1+")], params)]
+    weights = sync_state_dict(make_tiny_model("llama", vocab_size=TOK.vocab_size, seed=5))
+    wrapped.load_weights(weights, 3)
+    assert wrapped.version == inner.version == 3
+    wrapped.offer_weights(weights, 4)   # no call in flight: applied at once
+    assert inner.version == 4
+    assert wrapped.weight_sync_counters() == inner.weight_sync_counters()

@@ -29,13 +29,12 @@ from sao_actor_learner import core
 LOG_PREFIX = "generate_calls_actor_"
 
 
-class GenerateLogEngine(core.Engine):
+class GenerateLogEngine(core.EngineWrapper):
     """An Engine that delegates to `engine` and logs each generate call to `log_path`."""
 
     def __init__(self, engine: core.Engine, log_path: str):
-        self._engine = engine
+        super().__init__(engine)
         self._log = open(log_path, "a", buffering=1)   # line-buffered: whole lines on disk
-        self.tokenizer = engine.tokenizer
 
     def generate(self, prompts, params):
         t0, version = time.time(), self._engine.version
@@ -53,26 +52,9 @@ class GenerateLogEngine(core.Engine):
                                     "lag_hist": lag}) + "\n")
         return gens
 
-    def load_weights(self, state_dict, version):
-        self._engine.load_weights(state_dict, version)
-
-    @property
-    def weight_sync_mode(self):
-        return self._engine.weight_sync_mode
-
-    def offer_weights(self, state_dict, version):
-        self._engine.offer_weights(state_dict, version)
-
-    def weight_sync_counters(self):
-        return self._engine.weight_sync_counters()
-
-    @property
-    def version(self):
-        return self._engine.version
-
     def close(self):
         self._log.close()
-        self._engine.close()
+        super().close()
 
 
 def make_actor_with_generate_log(config, actor_id, replay_address, variables_address,

@@ -79,15 +79,15 @@ flags.DEFINE_bool("smoke", False, "Tiny settings (1 repeat, 3 steps, lengths <= 
 
 
 # --- what runs inside the actor nodes (module level: pickled by reference) ----------------------
-class HeavyTailedLengths(core.Engine):
-    """Delegates to `engine`, with max_new_tokens of each generate call drawn heavy-tailed
-    (module docstring); forwards the weight-sync contract so the mode under test applies."""
+class HeavyTailedLengths(core.EngineWrapper):
+    """Delegates to `engine` (the whole contract, so the mode under test applies), with
+    max_new_tokens of each generate call drawn heavy-tailed (module docstring)."""
 
     def __init__(self, engine: core.Engine, mean: float, tail: float, seed):
         import numpy as np
-        self._engine, self._mean, self._tail = engine, mean, tail
+        super().__init__(engine)
+        self._mean, self._tail = mean, tail
         self._rng = np.random.default_rng(seed)
-        self.tokenizer = engine.tokenizer
 
     def generate(self, prompts, params):
         from sao_actor_learner.actors.delays import sample_delays
@@ -95,26 +95,6 @@ class HeavyTailedLengths(core.Engine):
         n = sample_delays("heavy_tailed", 1, self._rng, self._mean, float(cap), self._tail)[0]
         n = max(1, min(cap, int(round(float(n)))))
         return self._engine.generate(prompts, dataclasses.replace(params, max_new_tokens=n))
-
-    def load_weights(self, state_dict, version):
-        self._engine.load_weights(state_dict, version)
-
-    @property
-    def version(self):
-        return self._engine.version
-
-    @property
-    def weight_sync_mode(self):
-        return self._engine.weight_sync_mode
-
-    def offer_weights(self, state_dict, version):
-        self._engine.offer_weights(state_dict, version)
-
-    def weight_sync_counters(self):
-        return self._engine.weight_sync_counters()
-
-    def close(self):
-        self._engine.close()
 
 
 def make_bench_actor(config, actor_id, replay_address, variables_address, run_dir=None,
