@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("reverb")
 
 from sao_actor_learner.replay import ReplayServer, RolloutReader, RolloutWriter
-from sao_actor_learner.replay.tables import FLAT_COLUMN_ORDER, LENGTH_COLUMN, SIGNATURE_COLUMN
+from sao_actor_learner.replay import item
 from sao_actor_learner.replay.validation import (REJECT_REASONS, SIGNATURE_BYTES, RolloutSigner,
                                                  RolloutVerifier, check_columns)
 from sao_actor_learner.types import SCALAR_COLUMNS, TOKEN_COLUMNS
@@ -52,19 +52,22 @@ def make_reader(srv, secret):
     return RolloutReader(srv.address, verifier=verifier)
 
 
-def item_columns(rollout, signer):
-    """The columns of the item RolloutWriter would insert for `rollout` (unpadded), as a dict:
-    exact dtypes, the true length and the signature under `signer`."""
+def item_columns(rollout):
+    """The exact-dtype columns of `rollout` (check_columns' output)."""
     cols, reason = check_columns({n: getattr(rollout, n) for n in TOKEN_COLUMNS + SCALAR_COLUMNS},
                                  VOCAB, MAX_LEN)
     assert reason is None, reason
-    cols[LENGTH_COLUMN] = np.asarray(rollout.length, np.int32)
-    cols[SIGNATURE_COLUMN] = signer.signature(cols)
     return cols
 
 
+def packed(cols, signer, padded_length=None):
+    """The item RolloutWriter would insert for `cols`, signed by `signer` (None: zeros)."""
+    return item.pack(cols, padded_length or cols["tokens"].shape[0],
+                     signer.sign if signer is not None else None)
+
+
 def raw_insert(client, flat):
-    """Inserts one item with the columns `flat` (a list, in FLAT_COLUMN_ORDER when well formed)
+    """Inserts one item with the columns `flat` (a list; [the packed item] when well formed)
     through a raw Reverb TrajectoryWriter that skips the table-signature check: what anyone who
     reaches the port can do."""
     writer = client.trajectory_writer(num_keep_alive_refs=1, validate_items=False)
@@ -74,11 +77,6 @@ def raw_insert(client, flat):
         writer.flush(timeout_ms=int(DEADLINE_S * 1000))
     finally:
         writer.close()
-
-
-def flat_of(cols, **changes):
-    cols = {**cols, **changes}
-    return [cols[name] for name in FLAT_COLUMN_ORDER]
 
 
 def read(reader, n):
@@ -99,27 +97,47 @@ def wait_for_rejections(reader, total):
 
 
 # --- the signer and verifier alone ----------------------------------------------------------------
-def test_signer_is_a_keyed_digest_of_every_column():
+def test_signer_is_a_keyed_digest_of_the_header_and_every_column():
     signer = RolloutSigner(SECRET)
-    cols = item_columns(signed_rollout(12, seed=1, seq=5), signer)
-    sig = signer.signature(cols)
-    assert sig.dtype == np.uint8 and sig.shape == (SIGNATURE_BYTES,)
-    np.testing.assert_array_equal(sig, RolloutSigner(SECRET.hex()).signature(cols))  # hex ok
-    assert signer.verify(cols, sig)
-    assert not RolloutSigner(OTHER_SECRET).verify(cols, sig)
-    assert not signer.verify(cols, sig[:16]) and not signer.verify(cols, sig.astype(np.int32))
-    assert not signer.verify(cols, np.zeros(SIGNATURE_BYTES, np.uint8))
+    cols = item_columns(signed_rollout(12, seed=1, seq=5))
+    buf = packed(cols, signer)
+    parsed = item.parse(buf)
+    assert len(parsed.signature) == SIGNATURE_BYTES
+    assert parsed.signature == RolloutSigner(SECRET.hex()).sign(parsed.signed)   # hex ok
+    assert signer.verify(parsed.signed, parsed.signature)
+    assert not RolloutSigner(OTHER_SECRET).verify(parsed.signed, parsed.signature)
+    assert not signer.verify(parsed.signed, parsed.signature[:16])
+    assert not signer.verify(parsed.signed, bytes(SIGNATURE_BYTES))
+    # Padding is not signed: the same rollout padded further verifies alike.
+    longer = item.parse(packed(cols, signer, padded_length=20))
+    assert longer.signature == parsed.signature and signer.verify(longer.signed,
+                                                                  longer.signature)
     for name in TOKEN_COLUMNS + SCALAR_COLUMNS:   # every column is covered, seq included
-        changed = dict(cols)
         value = np.array(cols[name], copy=True)
         if value.ndim:
             value[-1] = value[-1] + 1
         else:
             value = np.asarray(value + 1, value.dtype)
-        changed[name] = value
-        assert not signer.verify(changed, sig), name
+        changed = item.parse(packed({**cols, name: value}, None))
+        assert not signer.verify(changed.signed, parsed.signature), name
     with pytest.raises(ValueError, match="16 bytes"):
         RolloutSigner(b"short")
+
+
+def test_item_layout_round_trips_and_refuses_what_is_not_an_item():
+    cols = item_columns(signed_rollout(9, seed=2, seq=3))
+    buf = packed(cols, RolloutSigner(SECRET), padded_length=16)
+    assert buf.dtype == np.uint8 and buf.shape == (item.item_bytes(16),)
+    parsed = item.parse(buf)
+    for name in TOKEN_COLUMNS + SCALAR_COLUMNS:
+        np.testing.assert_array_equal(parsed.columns[name], cols[name], err_msg=name)
+        assert parsed.columns[name].dtype == cols[name].dtype, name
+    assert parsed.columns["tokens"].base is not None        # a view, not a copy
+    for bad in (buf.astype(np.int32), buf[None], buf[:40], np.zeros_like(buf),
+                np.concatenate([buf[:4], np.full(4, 255, np.uint8), buf[8:]]),   # length -1
+                buf[:item.item_bytes(9) - 1]):                                    # cut short
+        with pytest.raises(ValueError):
+            item.parse(bad)
 
 
 # --- through replay -------------------------------------------------------------------------------
@@ -159,41 +177,49 @@ def test_forged_and_malformed_items_are_refused_and_counted(server):
     signer = RolloutSigner(SECRET)
     client = server.client()
     good = [signed_rollout(L, seed=10 + i, seq=i) for i, L in enumerate([10, 33, 8, 21, 14])]
-    base = item_columns(signed_rollout(10, seed=30, seq=50), signer)
+    base = item_columns(signed_rollout(10, seed=30, seq=50))
+    good_item = packed(base, signer)
     rng = np.random.default_rng(0)
 
     def resigned(**changes):
         """A column changed and the item signed again with the run's secret: only the column
         checks can catch it (they run before the signature)."""
-        cols = {**base, **changes}
-        cols[SIGNATURE_COLUMN] = signer.signature({n: cols[n] for n in signer.ORDER})
-        return [cols[name] for name in FLAT_COLUMN_ORDER]
+        return [packed({**base, **changes}, signer)]
+
+    def changed_in_transit(offset, value):
+        forged = good_item.copy()
+        forged[offset] = value
+        return [forged]
 
     out_of_vocab = base["tokens"].copy()
     out_of_vocab[3] = VOCAB
     nan_logp = base["rollout_logp"].copy()
     nan_logp[np.flatnonzero(base["action_mask"])[0]] = np.nan
-    tampered_rewards = base["rewards"].copy()
-    tampered_rewards[-1] += 1.0
+    signature_at = item.signed_bytes(10)
+    long_header = good_item.copy()
+    long_header[4:8] = np.frombuffer(np.int32(11).tobytes(), np.uint8)  # claims 11 tokens
     bad = [  # (expected reason, the item's flat columns)
-        ("malformed", flat_of(base)[:-1]),                                 # 13 columns
-        ("malformed", flat_of(base) + [np.zeros(3, np.int32)]),            # 15 columns
-        ("malformed", flat_of(base, rewards=base["rewards"][:6])),        # a short column
-        ("malformed", flat_of(base, tokens=base["tokens"][None])),        # 2-D tokens
+        ("malformed", [np.zeros(0, np.uint8)]),                             # empty
+        ("malformed", [good_item, np.zeros(3, np.int32)]),                  # 2 columns
+        ("malformed", [good_item.view(np.int8)]),                           # not uint8
+        ("malformed", [good_item[None]]),                                   # 2-D
+        ("malformed", [good_item[:signature_at]]),                          # cut short
+        ("malformed", [long_header]),                                       # length too big
+        ("malformed", changed_in_transit(0, ord("X"))),                     # no SAO1 header
         ("token_out_of_range", resigned(tokens=out_of_vocab)),
         ("nonfinite_logp", resigned(rollout_logp=nan_logp)),
-        ("bad_signature", flat_of(base, signature=np.zeros(SIGNATURE_BYTES, np.uint8))),
-        ("bad_signature", flat_of(base, signature=rng.integers(0, 256, SIGNATURE_BYTES)
-                                  .astype(np.uint8))),
-        ("bad_signature", flat_of(base, signature=base[SIGNATURE_COLUMN][:16])),
-        ("bad_signature", flat_of(base, rewards=tampered_rewards)),         # changed in transit
+        ("bad_signature", [packed(base, None)]),                            # zeros
+        ("bad_signature", [np.concatenate([good_item[:signature_at],
+                                           rng.integers(0, 256, 32).astype(np.uint8)])]),
+        ("bad_signature", changed_in_transit(signature_at - 1 - 10, 0)),   # a reward byte
+        ("bad_signature", changed_in_transit(8, 99)),                       # prompt_id
     ]
     assert {reason for reason, _ in bad} <= set(REJECT_REASONS)
     # A signed, well-formed item from a raw client is accepted: the check is of the item, not
     # of who sent it.
-    raw_good = [base[name] for name in FLAT_COLUMN_ORDER]
+    raw_good = [good_item]
     with make_writer(server, signer) as writer:
-        # good0, bad0, bad1, good1, bad2, bad3, raw_good, bad4, bad5, good2, ... good4 last.
+        # good0, bad0..3, good1, raw_good, bad4..7, good2, ..., good4 last.
         order = []
         pending_bad = list(bad)
         for i, r in enumerate(good):
@@ -203,10 +229,10 @@ def test_forged_and_malformed_items_are_refused_and_counted(server):
                 raw_insert(client, raw_good)
                 order.append(("good", 50))
             if i < len(good) - 1:
-                for reason, flat in pending_bad[:3]:
+                for reason, flat in pending_bad[:4]:
                     raw_insert(client, flat)
                     order.append((reason, None))
-                pending_bad = pending_bad[3:]
+                pending_bad = pending_bad[4:]
         assert not pending_bad and order[-1] == ("good", good[-1].seq)
         with make_reader(server, SECRET) as reader:
             assert reader.queue_size() == len(order)             # Reverb took them all

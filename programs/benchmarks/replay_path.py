@@ -5,24 +5,29 @@ Each round writes --num_items rollouts of ~2k tokens (--min_len..--max_len), the
 back, for each path, interleaved (raw, ours, ours_unsigned, then raw, ... again) so machine load
 hits all alike:
 
-  raw            the best raw client loop: one long-lived legacy reverb Writer, append +
-                 create_item per rollout and a single flush at the end (no validation, no
-                 padding, no signature, no timeout, no per-batch confirmation), into
-                 Table.queue (no table signature); read with one Reverb sampler for all items (32
-                 per request), raw numpy columns, no decoding.
+  raw            a raw client loop over the rollouts' 12 columns: one long-lived legacy reverb
+                 Writer, append + create_item per rollout and a single flush at the end (no
+                 validation, no padding, no signature, no timeout, no per-batch confirmation),
+                 into Table.queue (no table signature); read with one Reverb sampler for all
+                 items (32 per request), raw numpy columns, no decoding.
+  raw_packed     the same loop over the very bytes ours sends: each rollout packed into one uint8
+                 column (replay/item.py, signed, padded to its length bucket; packed outside
+                 the timing). Reverb's cost per item grows with its column count, so this is
+                 the best raw loop on these rollouts; the target is against the better of the
+                 two raw rows.
   ours           the default path of a run: the actors' writer (RolloutWriter.write_many of
-                 --actor_batch rollouts, timeout 1 s: validation and rejection counting, an
-                 HMAC-SHA256 signature per rollout, a free-slot check before sending, padding to
-                 a length bucket, confirmation per call) into the rollouts table; the learner's
-                 reader (RolloutReader.sample(--batch) with a RolloutVerifier: every item's
-                 columns, ranges and signature checked, decoded, handed to on_fetched as the
-                 learner's journal is).
+                 --actor_batch rollouts, timeout 1 s: validation and rejection counting, packing
+                 into one column with an HMAC-SHA256 signature, a free-slot check before sending,
+                 padding to a length bucket, confirmation per call) into the rollouts table; the
+                 learner's reader (RolloutReader.sample(--batch) with a RolloutVerifier: every
+                 item's layout, values and signature checked, decoded into views, handed to
+                 on_fetched as the learner's journal is).
   ours_unsigned  the same writer and reader without the signer and the verifier (zero
                  signatures, items decoded unchecked): what the checks and the signature cost.
 
 Per path: write/s (write phase), read/s (read phase), write+read/s (num_items over both phases),
-best and median of --repeats rounds, and the ratios to raw (and of ours to ours_unsigned).
-Target: ours >= 0.7x raw on write+read. Every path checks that its rollouts came back complete,
+best and median of --repeats rounds, and the ratios to raw and raw_packed (and of ours to
+ours_unsigned). Target: ours >= 0.7x the better raw row on write+read. Every path checks that its rollouts came back complete,
 in order and unchanged (and, for ours, that none was refused). Prints a table, then one JSON
 line of figures.
 
@@ -57,9 +62,10 @@ flags.DEFINE_integer("actor_batch", 8, "Rollouts per write_many call (SAOConfig.
 flags.DEFINE_integer("batch", 32, "Rollouts per reader.sample call (SAOConfig.batch_size).")
 flags.DEFINE_integer("repeats", 3, "Rounds; best and median of each figure are reported.")
 flags.DEFINE_integer("seed", 0, "Seed of the rollouts.")
-flags.DEFINE_list("paths", ["raw", "ours", "ours_unsigned"], "Paths to measure.")
+flags.DEFINE_list("paths", ["raw", "raw_packed", "ours", "ours_unsigned"], "Paths to measure.")
 
-PATHS = ("raw", "ours", "ours_unsigned")
+PATHS = ("raw", "raw_packed", "ours", "ours_unsigned")
+RAW_PATHS = ("raw", "raw_packed")
 TARGET = 0.7
 # The run's rollout secret (made at launch in a run; any 32 bytes here).
 SECRET = bytes(range(32))
@@ -74,7 +80,8 @@ def _serve(capacity: int, conn) -> None:
 
     server = reverb.Server(tables=[make_rollouts_table(capacity, "ours"),
                                    make_rollouts_table(capacity, "ours_unsigned"),
-                                   reverb.Table.queue("raw", capacity)])
+                                   reverb.Table.queue("raw", capacity),
+                                   reverb.Table.queue("raw_packed", capacity)])
     conn.send(server.port)
     conn.recv()
     server.stop()
@@ -143,23 +150,34 @@ def run_ours(address: str, rollouts: List[Rollout], path: str) -> Dict[str, floa
     return {"write_s": t1 - t0, "read_s": t2 - t1}
 
 
-def run_raw(client, rollouts: List[Rollout]) -> Dict[str, float]:
-    n = len(rollouts)
-    columns = [r.columns() for r in rollouts]  # outside the timing: the raw loop gets dicts
+def packed_items(rollouts: List[Rollout]) -> List[List[np.ndarray]]:
+    """Each rollout as ours sends it: one signed uint8 column padded to its length bucket."""
+    from sao_actor_learner.replay import bucket_lengths, item
+    from sao_actor_learner.replay.validation import RolloutSigner
+
+    sign = RolloutSigner(SECRET).sign
+    buckets = np.asarray(bucket_lengths(FLAGS.max_sequence_length, FLAGS.buckets_per_octave))
+    return [[item.pack(r.columns(), int(buckets[np.searchsorted(buckets, r.length)]), sign)]
+            for r in rollouts]
+
+
+def run_raw(client, items: List, table: str) -> Dict[str, float]:
+    """The raw loop over prepared items (`items`: each a dict or list of columns)."""
+    n = len(items)
     writer = client.writer(max_sequence_length=1, max_in_flight_items=None)
     t0 = time.perf_counter()
-    for cols in columns:
+    for cols in items:
         writer.append(cols)
-        writer.create_item("raw", 1, 1.0)
+        writer.create_item(table, 1, 1.0)
     writer.flush()
     t1 = time.perf_counter()
-    sampler = client._client.NewSampler("raw", n, 32)  # pylint: disable=protected-access
+    sampler = client._client.NewSampler(table, n, 32)  # pylint: disable=protected-access
     got = [sampler.GetNextTrajectory() for _ in range(n)]
     t2 = time.perf_counter()
     del sampler
     writer.close()
     if len(got) != n:
-        raise RuntimeError("raw: wrong count")
+        raise RuntimeError(f"{table}: wrong count")
     return {"write_s": t1 - t0, "read_s": t2 - t1}
 
 
@@ -167,9 +185,10 @@ def main(argv) -> None:
     del argv
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     paths = [p for p in PATHS if p in FLAGS.paths]
-    if "raw" not in paths or len(paths) < 2 or set(FLAGS.paths) - set(PATHS):
-        raise app.UsageError(f"--paths={','.join(FLAGS.paths)}: pick raw and at least one of "
-                             f"{', '.join(PATHS[1:])}")
+    if (not set(paths) & set(RAW_PATHS) or not set(paths) - set(RAW_PATHS)
+            or set(FLAGS.paths) - set(PATHS)):
+        raise app.UsageError(f"--paths={','.join(FLAGS.paths)}: pick raw or raw_packed and at "
+                             f"least one of ours, ours_unsigned")
     n = FLAGS.num_items
     rollouts = make_rollouts(n, FLAGS.seed)
     mean_tokens = float(np.mean([r.length for r in rollouts]))
@@ -184,10 +203,13 @@ def main(argv) -> None:
 
     client = reverb.Client(address)
     results: Dict[str, List[Dict[str, float]]] = {p: [] for p in paths}
+    # The raw loops get their items ready-made, outside the timing.
+    raw_items = {"raw": [r.columns() for r in rollouts] if "raw" in paths else [],
+                 "raw_packed": packed_items(rollouts) if "raw_packed" in paths else []}
     try:
         for rep in range(FLAGS.repeats):
             for path in paths:  # interleaved, so load changes hit every path alike
-                results[path].append(run_raw(client, rollouts) if path == "raw"
+                results[path].append(run_raw(client, raw_items[path], path) if path in RAW_PATHS
                                      else run_ours(address, rollouts, path))
             logging.info("round %d done", rep + 1)
     finally:
@@ -201,23 +223,28 @@ def main(argv) -> None:
     print(f"\n{n} rollouts of ~{mean_tokens:.0f} tokens, server in another process, "
           f"{FLAGS.repeats} rounds (best / median), load {load_start:.1f} -> "
           f"{figures['load_avg_1m_end']:.1f}\n")
-    print(f"{'path':<15}{'write/s':>16}{'read/s':>16}{'write+read/s':>16}{'vs raw':>9}")
+    raws = [p for p in RAW_PATHS if p in results]
     for path, rounds in results.items():
-        row = []
         for key, rates in (("write", [n / r["write_s"] for r in rounds]),
                            ("read", [n / r["read_s"] for r in rounds]),
                            ("write_read", [n / (r["write_s"] + r["read_s"]) for r in rounds])):
             figures[f"{path}_{key}_per_s"] = round(max(rates))
             figures[f"{path}_{key}_per_s_median"] = round(statistics.median(rates))
             figures[f"{path}_{key}_per_s_min"] = round(min(rates))
-            row.append(f"{max(rates):>8.0f} / {statistics.median(rates):<5.0f}")
-        ratio = ""
-        if path != "raw":
+    best_raw = max(raws, key=lambda p: figures[f"{p}_write_read_per_s"])
+    figures["best_raw"] = best_raw
+    print(f"{'path':<15}{'write/s':>16}{'read/s':>16}{'write+read/s':>16}"
+          + "".join(f"{'vs ' + p:>14}" for p in raws))
+    for path in results:
+        row = "".join(f"{figures[f'{path}_{key}_per_s']:>8} / "
+                      f"{figures[f'{path}_{key}_per_s_median']:<5}"
+                      for key in ("write", "read", "write_read"))
+        for raw in raws:
             for key in ("write", "read", "write_read"):
-                figures[f"ratio_{path}_over_raw_{key}"] = round(
-                    figures[f"{path}_{key}_per_s"] / figures[f"raw_{key}_per_s"], 3)
-            ratio = f"{figures[f'ratio_{path}_over_raw_write_read']:>8.2f}x"
-        print(f"{path:<15}{''.join(row)}{ratio:>9}")
+                figures[f"ratio_{path}_over_{raw}_{key}"] = round(
+                    figures[f"{path}_{key}_per_s"] / figures[f"{raw}_{key}_per_s"], 3)
+            row += f"{figures[f'ratio_{path}_over_{raw}_write_read']:>13.2f}x"
+        print(f"{path:<15}{row}")
     if "ours" in results and "ours_unsigned" in results:
         for key in ("write", "read", "write_read"):
             figures[f"ratio_ours_over_ours_unsigned_{key}"] = round(
@@ -227,10 +254,12 @@ def main(argv) -> None:
               f"{figures['ratio_ours_over_ours_unsigned_read']:.2f} (read), "
               f"{figures['ratio_ours_over_ours_unsigned_write_read']:.2f} (write+read)")
     if "ours" in results:
+        figures["ratio_ours_over_best_raw_write_read"] = \
+            figures[f"ratio_ours_over_{best_raw}_write_read"]
         figures["target_ratio"] = TARGET
-        figures["target_met"] = figures["ratio_ours_over_raw_write_read"] >= TARGET
-        print(f"\nours / raw (write+read, best of rounds): "
-              f"{figures['ratio_ours_over_raw_write_read']:.2f} (target {TARGET}: "
+        figures["target_met"] = figures["ratio_ours_over_best_raw_write_read"] >= TARGET
+        print(f"\nours / the best raw loop ({best_raw}; write+read, best of rounds): "
+              f"{figures['ratio_ours_over_best_raw_write_read']:.2f} (target {TARGET}: "
               f"{'met' if figures['target_met'] else 'missed'})\n")
     print(json.dumps(figures, sort_keys=True))
 

@@ -14,8 +14,8 @@ Measured here (2 shared cores, server in another process, ~2k-token items): `sam
 rollouts/s, decoded; a bare Reverb sampler streaming undecoded items ~16-20k/s; `client.sample`
 (one item per request) ~6k/s. Most of the time is the transfer of the items themselves.
 
-Decoded rollouts have the exact dtypes of types.py; per-token columns are cut back from the
-writer's padding to the `length` column (views into the sampled arrays, not copies).
+Decoded rollouts have the exact dtypes of types.py; their per-token columns are views into the
+sampled item (replay/item.py), not copies; the writer's padding is never read.
 
 Trust: with a `verifier` (replay/validation.py) every item is checked as it arrives (columns,
 dtypes, lengths, vocabulary range, finite log-probs, versions, and the run's signature); a bad
@@ -38,8 +38,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Union
 import numpy as np
 from absl import logging
 
-from sao_actor_learner.replay.tables import (DEFAULT_TABLE, FLAT_COLUMN_ORDER, LENGTH_COLUMN,
-                                             connect, table_status)
+from sao_actor_learner.replay import item
+from sao_actor_learner.replay.tables import DEFAULT_TABLE, ITEM_COLUMNS, connect, table_status
 from sao_actor_learner.replay.validation import REJECT_REASONS, RolloutVerifier
 from sao_actor_learner.types import SCALAR_COLUMNS, TOKEN_COLUMNS, Rollout
 
@@ -50,16 +50,14 @@ _POLL_MAX_S = 0.01
 
 
 def decode_item(flat: Sequence[np.ndarray]) -> Rollout:
-    """A `Rollout` from one sampled item's flat columns (FLAT_COLUMN_ORDER)."""
-    if len(flat) != len(FLAT_COLUMN_ORDER):
-        raise ValueError(f"replay item has {len(flat)} columns, expected {len(FLAT_COLUMN_ORDER)} "
-                         f"({', '.join(FLAT_COLUMN_ORDER)}): was it written by RolloutWriter?")
-    cols = dict(zip(FLAT_COLUMN_ORDER, flat))
-    length = int(cols[LENGTH_COLUMN])
-    kwargs = {name: cols[name][:length] for name in TOKEN_COLUMNS}
-    for name in SCALAR_COLUMNS:
-        kwargs[name] = cols[name].item()
-    return Rollout(**kwargs)
+    """A `Rollout` from one sampled item's columns, unchecked (trusted input; the learner reads
+    through a RolloutVerifier instead)."""
+    if len(flat) != len(ITEM_COLUMNS):
+        raise ValueError(f"replay item has {len(flat)} columns, expected {len(ITEM_COLUMNS)} "
+                         f"({', '.join(ITEM_COLUMNS)}): was it written by RolloutWriter?")
+    cols = item.parse(flat[0]).columns
+    return Rollout(**{name: cols[name] for name in TOKEN_COLUMNS},
+                   **{name: cols[name].item() for name in SCALAR_COLUMNS})
 
 
 class RolloutReader:

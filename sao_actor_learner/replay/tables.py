@@ -5,9 +5,9 @@ order, and the rate limiter blocks inserts while `queue_capacity` rollouts wait.
 of the three places the staleness limit is enforced: an actor cannot run further ahead of the
 learner than the queue allows.
 
-An item is one rollout. Its columns are the `Rollout` columns (types.TOKEN_COLUMNS and
-types.SCALAR_COLUMNS, with their exact dtypes) plus `length`, the true number of tokens: the writer
-pads the per-token columns to a length bucket (see writer.py for why), the reader cuts them back.
+An item is one rollout, packed into a single uint8 column (replay/item.py: a header with the
+scalars and the true length, the per-token columns, the signature); the writer pads it to a
+length bucket (see writer.py for why), the reader reads the header's length.
 
 Reverb imports TensorFlow (~2.6 s, ~450 MB): this module imports it only inside the functions that
 need it, so `import sao_actor_learner.replay` stays cheap.
@@ -22,25 +22,12 @@ import numpy as np
 from absl import logging
 
 from sao_actor_learner import core
-from sao_actor_learner.types import SCALAR_COLUMNS, SCALAR_DTYPES, TOKEN_COLUMNS, TOKEN_DTYPES
 
 DEFAULT_TABLE = "rollouts"
 
-# The extra column holding the unpadded length of the per-token columns.
-LENGTH_COLUMN = "length"
-LENGTH_DTYPE = np.int32
-# The item's HMAC-SHA256 under the run's secret (replay/validation.py): [32] uint8.
-SIGNATURE_COLUMN = "signature"
-
-# Every column of an item and its dtype.
-ITEM_COLUMNS: Tuple[str, ...] = TOKEN_COLUMNS + SCALAR_COLUMNS + (LENGTH_COLUMN,
-                                                                  SIGNATURE_COLUMN)
-ITEM_DTYPES: Dict[str, Any] = {**TOKEN_DTYPES, **SCALAR_DTYPES, LENGTH_COLUMN: LENGTH_DTYPE,
-                               SIGNATURE_COLUMN: np.uint8}
-
-# The order in which a sampled item's columns come back: Reverb flattens the item's structure
-# (a dict) with dm-tree, which sorts dict keys.
-FLAT_COLUMN_ORDER: Tuple[str, ...] = tuple(sorted(ITEM_COLUMNS))
+# An item has one column: the rollout packed into bytes (replay/item.py has the layout and why).
+ITEM_COLUMN = "item"
+ITEM_COLUMNS: Tuple[str, ...] = (ITEM_COLUMN,)
 
 # Seconds; the smallest timeout `Client.server_info` accepts (it takes whole seconds, and without a
 # timeout it waits forever for an unreachable server).
@@ -49,16 +36,10 @@ SERVER_INFO_TIMEOUT_S = 1
 
 
 def rollouts_signature() -> Dict[str, Any]:
-    """The table signature: per-token columns `[None]`, scalar columns `[]`, exact dtypes."""
+    """The table signature: one `[None]` uint8 column, the packed rollout."""
     import tensorflow as tf
 
-    spec = {name: tf.TensorSpec([None], tf.as_dtype(TOKEN_DTYPES[name]), name=name)
-            for name in TOKEN_COLUMNS}
-    spec.update({name: tf.TensorSpec([], tf.as_dtype(SCALAR_DTYPES[name]), name=name)
-                 for name in SCALAR_COLUMNS})
-    spec[LENGTH_COLUMN] = tf.TensorSpec([], tf.as_dtype(LENGTH_DTYPE), name=LENGTH_COLUMN)
-    spec[SIGNATURE_COLUMN] = tf.TensorSpec([32], tf.uint8, name=SIGNATURE_COLUMN)
-    return spec
+    return {ITEM_COLUMN: tf.TensorSpec([None], tf.uint8, name=ITEM_COLUMN)}
 
 
 def make_rollouts_table(queue_capacity: int, name: str = DEFAULT_TABLE):

@@ -5,7 +5,7 @@ Two places check rollouts with the same rules (`check_columns`):
   - the learner's reader, on everything it samples: Reverb has no authentication, so anything
     that reaches its port can insert items. The reader also checks each item's signature
     (`RolloutSigner`): an HMAC-SHA256, under a secret made at launch and handed only to the
-    actors and the learner, over every column of the item. A forged, malformed or tampered item
+    actors and the learner, over the item's header and every column (replay/item.py). A forged, malformed or tampered item
     is dropped and counted by reason, never trained on.
 
 What the signature does not stop: a stranger who can reach the Reverb port can still read the
@@ -19,17 +19,16 @@ hashlib.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
-import sys
+import struct
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
+from sao_actor_learner.replay import item
+from sao_actor_learner.replay.item import SIGNATURE_BYTES  # noqa: F401  (re-exported)
 from sao_actor_learner.types import SCALAR_COLUMNS, SCALAR_DTYPES, TOKEN_COLUMNS, TOKEN_DTYPES
 
-SIGNATURE_BYTES = 32
-_LITTLE = sys.byteorder == "little"
 
 # Why a rollout was refused, and what to change. Exactly one reason (the first that applies, in
 # this order) is counted per refused rollout.
@@ -88,35 +87,75 @@ def check_columns(columns: Mapping[str, Any], vocab_size: int, max_sequence_leng
             cols[name] = value
     except (AttributeError, KeyError, TypeError, ValueError, OverflowError):
         return None, "malformed"
-    if any(cols[name].ndim != 1 for name in TOKEN_COLUMNS):
+    reason = shape_reason(cols) or check_values(cols, vocab_size, max_sequence_length)
+    return (None, reason) if reason is not None else (cols, None)
+
+
+def check_rollout(rollout: Any, vocab_size: int, max_sequence_length: int
+                  ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """`check_columns` of a Rollout-like object, without conversions when its per-token columns
+    already have their exact dtypes (a Rollout's do): the columns (scalars as given, checked to
+    fit the item's header) or the reason."""
+    cols: Dict[str, Any] = {name: getattr(rollout, name, None) for name in TOKEN_COLUMNS}
+    if not all(type(cols[name]) is np.ndarray and cols[name].dtype == TOKEN_DTYPES[name]
+               for name in TOKEN_COLUMNS):   # not a Rollout's exact dtypes: convert
+        return check_columns(rollout_columns(rollout), vocab_size, max_sequence_length)
+    reason = shape_reason(cols) or check_values(cols, vocab_size, max_sequence_length)
+    if reason is not None:
+        return None, reason
+    try:
+        cols.update((name, getattr(rollout, name)) for name in SCALAR_COLUMNS)
+        item.header(cols, cols["tokens"].shape[0])   # the scalars fit their dtypes
+    except (AttributeError, struct.error, TypeError, ValueError, OverflowError):
         return None, "malformed"
+    return cols, None
+
+
+def shape_reason(cols: Mapping[str, np.ndarray]) -> Optional[str]:
+    """The REJECT_REASONS key of 1-D per-token columns' shapes ("malformed", "empty",
+    "length_mismatch"), else None."""
+    if any(cols[name].ndim != 1 for name in TOKEN_COLUMNS):
+        return "malformed"
     length = cols["tokens"].shape[0]
     if length == 0:
-        return None, "empty"
+        return "empty"
     if any(cols[name].shape[0] != length for name in TOKEN_COLUMNS):
-        return None, "length_mismatch"
+        return "length_mismatch"
+    return None
+
+
+def check_values(cols: Mapping[str, np.ndarray], vocab_size: int, max_sequence_length: int
+                 ) -> Optional[str]:
+    """The REJECT_REASONS key of the first bad value of exact-dtype, 1-D, equal-length, non-empty
+    per-token columns, else None. One whole-array reduction per check on the common path (a
+    rollout is checked twice, by its actor and by the learner: this is on both hot paths);
+    the exact, masked checks run only when the cheap one fails."""
+    length = cols["tokens"].shape[0]
     if length > max_sequence_length:
-        return None, "too_long"
-    # Each check is one or two whole-array reductions; masks are built only on the slow path.
+        return "too_long"
     mask = cols["action_mask"]
     if mask.view(np.uint8).max() > 1:  # int8 -1 reads as 255
-        return None, "bad_action_mask"
+        return "bad_action_mask"
     if not mask.any():
-        return None, "no_action_tokens"
+        return "no_action_tokens"
     if mask[0]:
-        return None, "action_at_position_0"
-    tokens = cols["tokens"]
-    if tokens.min() < 0 or tokens.max() >= vocab_size:
-        return None, "token_out_of_range"
+        return "action_at_position_0"
+    # int32 ids read as uint32: a negative id becomes >= 2**31, so one max covers both ends.
+    if cols["tokens"].view(np.uint32).max() >= vocab_size:
+        return "token_out_of_range"
     act = mask.view(np.bool_)  # values are 0/1 (checked above): a free boolean view
     logp = cols["rollout_logp"]
-    if not np.isfinite(logp).all() and not np.isfinite(logp[act]).all():
-        return None, "nonfinite_logp"
-    if cols["versions"].min(where=act, initial=0) < 0:
-        return None, "negative_version"
-    if not np.isfinite(cols["rewards"]).all():
-        return None, "nonfinite_reward"
-    return cols, None
+    # A sum is finite when every term is (a NaN or inf anywhere makes it NaN or inf); a finite
+    # sum can still overflow, so a non-finite one is re-checked exactly, on action tokens only.
+    if not np.isfinite(logp.sum()) and not np.isfinite(logp[act]).all():
+        return "nonfinite_logp"
+    versions = cols["versions"]
+    if versions.min(where=act, initial=0) < 0:
+        return "negative_version"
+    rewards = cols["rewards"]
+    if not np.isfinite(rewards.sum()) and not np.isfinite(rewards).all():
+        return "nonfinite_reward"
+    return None
 
 
 def rollout_columns(rollout) -> Dict[str, Any]:
@@ -129,14 +168,8 @@ def rollout_columns(rollout) -> Dict[str, Any]:
 
 
 class RolloutSigner:
-    """HMAC-SHA256 of a rollout's columns under the run's secret (see the module docstring).
-
-    The signed bytes are, for every column in a fixed order, its name, dtype, shape and data
-    (little-endian, C order) of the exact-dtype, unpadded column: what the writer signs is what
-    the reader, having cut the padding off, recomputes.
-    """
-
-    ORDER = tuple(sorted(TOKEN_COLUMNS + SCALAR_COLUMNS))
+    """HMAC-SHA256 under the run's secret (see the module docstring) of an item's signed span:
+    its header (the scalars and the length) and every per-token column (replay/item.py)."""
 
     def __init__(self, secret: bytes):
         if isinstance(secret, str):
@@ -144,28 +177,14 @@ class RolloutSigner:
         if len(secret) < 16:
             raise ValueError("the rollout secret must have at least 16 bytes")
         self._secret = bytes(secret)
-        self._headers: Dict[tuple, bytes] = {}
 
-    def signature(self, cols: Mapping[str, np.ndarray]) -> np.ndarray:
-        """[32] uint8: the signature of exact-dtype columns (check_columns' output)."""
-        mac = hmac.new(self._secret, digestmod=hashlib.sha256)
-        for name in self.ORDER:
-            a = np.asarray(cols[name])
-            key = (name, a.dtype, a.shape)
-            header = self._headers.get(key)
-            if header is None:
-                header = self._headers[key] = f"{name}|{a.dtype.str}|{a.shape}|".encode()
-            mac.update(header)
-            if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and not _LITTLE):
-                a = a.astype(a.dtype.newbyteorder("<"))
-            mac.update(np.ascontiguousarray(a).data if a.ndim else a.tobytes())
-        return np.frombuffer(mac.digest(), dtype=np.uint8).copy()
+    def sign(self, signed: memoryview) -> bytes:
+        """The 32-byte signature of `signed` (one C call: hmac.digest)."""
+        return hmac.digest(self._secret, signed, "sha256")
 
-    def verify(self, cols: Mapping[str, np.ndarray], signature: Any) -> bool:
-        sig = np.asarray(signature)
-        if sig.dtype != np.uint8 or sig.shape != (SIGNATURE_BYTES,):
-            return False
-        return hmac.compare_digest(self.signature(cols).tobytes(), sig.tobytes())
+    def verify(self, signed: memoryview, signature: bytes) -> bool:
+        return len(signature) == SIGNATURE_BYTES and hmac.compare_digest(self.sign(signed),
+                                                                          signature)
 
 
 class RolloutVerifier:
@@ -183,27 +202,20 @@ class RolloutVerifier:
         self.max_sequence_length = int(max_sequence_length)
 
     def decode(self, flat) -> Tuple[Optional["Rollout"], Optional[str]]:
-        """(rollout, None) or (None, the REJECT_REASONS key). Never raises for bad data."""
-        from sao_actor_learner.replay.tables import (FLAT_COLUMN_ORDER, LENGTH_COLUMN,
-                                                     SIGNATURE_COLUMN)
+        """(rollout, None) or (None, the REJECT_REASONS key). Never raises for bad data: the
+        layout first (one uint8 column, replay/item.py), then the values, then the signature."""
         from sao_actor_learner.types import Rollout
         try:
-            if len(flat) != len(FLAT_COLUMN_ORDER):
+            if len(flat) != 1:
                 return None, "malformed"
-            raw = dict(zip(FLAT_COLUMN_ORDER, flat))
-            length = int(np.asarray(raw[LENGTH_COLUMN]).reshape(()))
-            if length < 0 or any(np.asarray(raw[n]).ndim != 1 or
-                                 np.asarray(raw[n]).shape[0] < length for n in TOKEN_COLUMNS):
-                return None, "malformed"
-            cut = {n: np.asarray(raw[n])[:length] for n in TOKEN_COLUMNS}
-            cut.update({n: np.asarray(raw[n]).reshape(()) if np.asarray(raw[n]).size == 1
-                        else np.asarray(raw[n]) for n in SCALAR_COLUMNS})
-        except (TypeError, ValueError, IndexError, KeyError):
+            parsed = item.parse(flat[0])
+        except (TypeError, ValueError, struct.error):
             return None, "malformed"
-        cols, reason = check_columns(cut, self.vocab_size, self.max_sequence_length)
+        cols = parsed.columns
+        reason = check_values(cols, self.vocab_size, self.max_sequence_length)
         if reason is not None:
             return None, reason
-        if self.signer is not None and not self.signer.verify(cols, raw[SIGNATURE_COLUMN]):
+        if self.signer is not None and not self.signer.verify(parsed.signed, parsed.signature):
             return None, "bad_signature"
         return Rollout(**{n: cols[n] for n in TOKEN_COLUMNS},
                        **{n: cols[n].item() for n in SCALAR_COLUMNS}), None

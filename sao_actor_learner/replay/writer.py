@@ -4,9 +4,9 @@ Variable lengths. A long-lived Reverb `TrajectoryWriter` fixes each column's sha
 append and rejects later items of another length; the legacy `Writer` accepts any shape but its
 `flush` has no timeout (a full table hangs it forever); a new `TrajectoryWriter` per item opens a
 gRPC stream per item. So this writer keeps one long-lived `TrajectoryWriter` per *length bucket*
-(4 per doubling by default: 16, 20, 24, 28, 32, 40, ..., capped at max_sequence_length), pads the
-per-token columns to the bucket (< 25% more tokens; Reverb's compression shrinks the zeros) and
-stores the true length in the `length` column, which the reader cuts back to.
+(4 per doubling by default: 16, 20, 24, 28, 32, 40, ..., capped at max_sequence_length) and pads
+each item (the rollout packed into one uint8 column with its true length in the header,
+replay/item.py) to its bucket's size (< 25% more bytes; Reverb's compression shrinks the zeros).
 
 Batches. `write_many(rollouts, timeout_s)` inserts an actor's whole generation with the
 guarantees below: one free-slot check (the batch goes out whole while the table has room for it
@@ -16,14 +16,13 @@ flush: one confirmation round trip per call instead of one per rollout. The appe
 to Reverb's pybind writer (its Python wrapper's bookkeeping added ~50 us per rollout, half the
 append's own cost). A rollout may thus be padded beyond its own bucket, to its group's.
 
-Measured by programs/benchmarks/replay_path.py (2 shared cores, load 1-2.5, server in another
-process, 2000 rollouts of ~2k tokens, best of 5 rounds): `write_many` of 8 rollouts ~6.4k
-rollouts/s, `write` per rollout ~2.1k/s, the raw legacy `Writer` with one flush at the very end
-(no validation, no timeout, nothing confirmed until then) ~24k/s. Per rollout in `write_many`
-(~0.18 ms): append + create_item ~60-85 us (the pybind `TrajectoryWriter`; the legacy `Writer`
-takes ~40 us but its flush cannot time out), validation ~25-30 us, padding ~6 us, and a share of
-the per-call `ServerInfo` check (~0.18 ms) and confirmation round trip (~0.3 ms). Padding does
-not slow the reader.
+Measured by programs/benchmarks/replay_path.py (BENCHMARKS.md section 3; 2 shared cores, server
+in another process, rollouts of ~2k tokens): `write_many` of 8 ~3.2k rollouts/s, the raw legacy
+`Writer` with one flush at the very end (no validation, no timeout, nothing confirmed until then)
+~9.9k/s on 12 columns and ~19.6k/s on the same bytes packed as ours. Per rollout in `write_many`
+(~0.31 ms; cProfile shares): the confirmation round trip (~0.9 ms per call), the free-slot
+`ServerInfo` (~0.45 ms per call), validation, packing and the HMAC (~30 us each), append +
+create_item (~40 us).
 
 Timeouts. Reverb cannot withdraw an item once it is sent: an insert that waits in the rate limiter
 lands whenever a slot frees, even after its writer is closed (checked here). So `write` first
@@ -55,6 +54,7 @@ is safe but slow.
 from __future__ import annotations
 
 import collections
+import struct
 import threading
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -62,13 +62,13 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 import numpy as np
 from absl import logging
 
-from sao_actor_learner.replay.tables import (DEFAULT_TABLE, FLAT_COLUMN_ORDER, LENGTH_COLUMN,
-                                             LENGTH_DTYPE, SERVER_INFO_TIMEOUT_S,
-                                             SIGNATURE_COLUMN, connect, table_status)
-from sao_actor_learner.replay.validation import (REJECT_REASONS, SIGNATURE_BYTES,  # noqa: F401
-                                                 RolloutSigner, check_columns, rollout_columns)
+from sao_actor_learner.replay import item
+from sao_actor_learner.replay.tables import (DEFAULT_TABLE, ITEM_COLUMN, SERVER_INFO_TIMEOUT_S,
+                                             connect, table_status)
+from sao_actor_learner.replay.validation import (REJECT_REASONS, RolloutSigner,  # noqa: F401
+                                                 check_rollout)
 from sao_actor_learner import core
-from sao_actor_learner.types import TOKEN_COLUMNS, Rollout
+from sao_actor_learner.types import Rollout
 
 # After sending, wait at least this long for the server's confirmation even if timeout_s is spent.
 _MIN_CONFIRM_S = 0.05
@@ -180,8 +180,7 @@ class RolloutWriter(core.RolloutSink):
     # --- core.RolloutSink --------------------------------------------------------------------
     def check(self, rollout: Rollout) -> Optional[str]:
         """None when `rollout` passes validation, else the reason (nothing counted)."""
-        return check_columns(rollout_columns(rollout), self.vocab_size,
-                             self.max_sequence_length)[1]
+        return self._checked_columns(rollout)[1]
 
     def send(self, rollouts: Sequence[Rollout], timeout_s: float) -> List[bool]:
         """`write_many`, per rollout whether it went (a refused one counts as not sent)."""
@@ -213,7 +212,7 @@ class RolloutWriter(core.RolloutSink):
             if self._closed:
                 raise RuntimeError("RolloutWriter.write_many() after close()")
             results: List[WriteResult] = [NOT_SENT] * len(rollouts)
-            valid: List[Tuple[int, Dict[str, np.ndarray]]] = []
+            valid: List[Tuple[int, np.ndarray]] = []
             for i, rollout in enumerate(rollouts):
                 columns, reason = self.validate(rollout)
                 if reason is None:
@@ -231,7 +230,7 @@ class RolloutWriter(core.RolloutSink):
                 # lost race leaves one rollout waiting in the rate limiter, not a batch.
                 left = len(valid) - sent
                 group = valid[sent:sent + (left if free >= 2 * left else 1)]
-                confirmed = self._send_group([columns for _, columns in group], deadline)
+                confirmed = self._send_group([packed for _, packed in group], deadline)
                 for (i, _), ok in zip(group, confirmed):
                     results[i] = WriteResult(True, ok, None)
                 self._inserted += len(group)
@@ -241,17 +240,22 @@ class RolloutWriter(core.RolloutSink):
             self._timeouts += len(valid) - sent
             return results
 
-    def validate(self, rollout: Rollout) -> Tuple[Optional[Dict[str, np.ndarray]], Optional[str]]:
-        """(the item's columns, None) for a valid rollout, else (None, reason): the checks of
-        replay/validation.py, then the true length and the signature."""
-        cols, reason = check_columns(rollout_columns(rollout), self.vocab_size,
-                                     self.max_sequence_length)
+    def validate(self, rollout: Rollout) -> Tuple[Optional[np.ndarray], Optional[str]]:
+        """(the rollout's replay item, unpadded, signed, None) for a valid rollout, else
+        (None, reason): the checks of replay/validation.py, then the item (replay/item.py)."""
+        cols, reason = self._checked_columns(rollout)
         if reason is not None:
             return None, reason
-        cols[SIGNATURE_COLUMN] = self._signer.signature(cols) if self._signer is not None \
-            else np.zeros(SIGNATURE_BYTES, np.uint8)
-        cols[LENGTH_COLUMN] = np.asarray(cols["tokens"].shape[0], dtype=LENGTH_DTYPE)
-        return cols, None
+        try:
+            packed = item.pack(cols, int(cols["tokens"].shape[0]),
+                               self._signer.sign if self._signer is not None else None)
+        except (struct.error, TypeError, ValueError, OverflowError):
+            return None, "malformed"   # a scalar outside its dtype's range, or not a number
+        return packed, None
+
+    def _checked_columns(self, rollout: Any) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+        """(columns, None) when `rollout`'s values pass the checks, else (None, reason)."""
+        return check_rollout(rollout, self.vocab_size, self.max_sequence_length)
 
     def _reject(self, reason: str, rollout: Any) -> None:
         self._rejected[reason] += 1
@@ -292,7 +296,7 @@ class RolloutWriter(core.RolloutSink):
     def _bucket(self, length: int) -> int:
         return int(self._buckets[np.searchsorted(self._buckets, length)])
 
-    def _send_group(self, group: List[Dict[str, np.ndarray]], deadline: float) -> List[bool]:
+    def _send_group(self, group: List[np.ndarray], deadline: float) -> List[bool]:
         """Sends the items of `group` through the writer of the longest one's bucket, padded to
         it, then waits once for their confirmation (until the deadline, at least
         _MIN_CONFIRM_S). Returns, per item, whether replay confirmed it; the unconfirmed ones
@@ -300,21 +304,21 @@ class RolloutWriter(core.RolloutSink):
         retired, until they land, and later items use a fresh one."""
         import reverb
 
-        bucket = self._bucket(max(int(columns[LENGTH_COLUMN]) for columns in group))
-        writer = self._writers.get(bucket)
+        size = item.item_bytes(self._bucket(max(_item_length(packed) for packed in group)))
+        writer = self._writers.get(size)
         if writer is None:
             writer = self._client.trajectory_writer(num_keep_alive_refs=1)
-            self._writers[bucket] = writer
+            self._writers[size] = writer
         try:
-            for columns in group:
-                self._append_item(writer, _padded(columns, bucket))
+            for packed in group:
+                self._append_item(writer, _padded(packed, size))
             wait_s = max(deadline - time.monotonic(), _MIN_CONFIRM_S)
             writer.flush(timeout_ms=int(wait_s * 1000))
         except reverb.errors.DeadlineExceededError:
             # Another writer took the slot: the items wait in the server's rate limiter and will
             # land. Keep this writer alive until they do; later items use a fresh one.
             waiting = _waiting_items(writer, len(group))
-            self._writers.pop(bucket, None)
+            self._writers.pop(size, None)
             self._retired.append(writer)
             self._retired_waiting.append(waiting)
             self._unconfirmed += waiting
@@ -323,25 +327,23 @@ class RolloutWriter(core.RolloutSink):
                                 "replay's rate limiter and lands when the learner samples", 100)
             return [True] * (len(group) - waiting) + [False] * waiting
         except Exception as e:
-            self._writers.pop(bucket, None)
+            self._writers.pop(size, None)
             _close_quietly(writer)
             raise RuntimeError(f"RolloutWriter: inserting into table {self._table!r} at "
                                f"{self._client.server_address} failed: {e}") from e
         return [True] * len(group)
 
-    def _append_item(self, writer: Any, columns: Dict[str, np.ndarray]) -> None:
+    def _append_item(self, writer: Any, packed: np.ndarray) -> None:
         """Appends one step and creates the item referencing it. Straight through the pybind
         writer when Reverb's internals are those of 0.14 (the Python wrapper's structure
-        bookkeeping adds ~50 us, half the append's own cost), else through the public API.
-        Columns go in FLAT_COLUMN_ORDER, the order the table signature flattens to."""
+        bookkeeping adds ~50 us, half the append's own cost), else through the public API."""
         internal = getattr(writer, "_writer", None)
         if hasattr(internal, "Append") and hasattr(internal, "CreateItem"):
-            refs = internal.Append([columns[name] for name in FLAT_COLUMN_ORDER])
-            internal.CreateItem(self._table, 1.0, [[ref] for ref in refs], [True] * len(refs))
+            refs = internal.Append([packed])
+            internal.CreateItem(self._table, 1.0, [[ref] for ref in refs], [True])
             return
-        writer.append(columns)
-        history = writer.history
-        writer.create_item(self._table, 1.0, {name: history[name][-1] for name in columns})
+        writer.append({ITEM_COLUMN: packed})
+        writer.create_item(self._table, 1.0, {ITEM_COLUMN: writer.history[ITEM_COLUMN][-1]})
 
     def _retired_pending(self) -> int:
         """Our items still waiting in replay's rate limiter."""
@@ -394,16 +396,17 @@ class RolloutWriter(core.RolloutSink):
                 f"timeouts={self._timeouts}, rejected={dict(self._rejected)})")
 
 
-def _padded(columns: Dict[str, np.ndarray], bucket: int) -> Dict[str, np.ndarray]:
-    """`columns` with the per-token columns zero-padded to `bucket` (a new dict)."""
-    length = int(columns[LENGTH_COLUMN])
-    if length == bucket:
-        return columns
-    out = dict(columns)
-    for name in TOKEN_COLUMNS:
-        padded = np.zeros(bucket, dtype=columns[name].dtype)
-        padded[:length] = columns[name]
-        out[name] = padded
+def _item_length(packed: np.ndarray) -> int:
+    """The rollout length in an item's header (replay/item.py)."""
+    return int(packed[4:8].view(np.int32)[0])
+
+
+def _padded(packed: np.ndarray, size: int) -> np.ndarray:
+    """`packed` zero-padded to `size` bytes (a new array unless it has that size)."""
+    if packed.shape[0] == size:
+        return packed
+    out = np.zeros(size, np.uint8)
+    out[:packed.shape[0]] = packed
     return out
 
 
