@@ -26,6 +26,8 @@ Payload = Union[bytes, bytearray, memoryview]
 # One buffer, or several streamed back to back as one payload (e.g. a safetensors header and
 # then each tensor's bytes: ckpt.state_dict_to_buffers).
 PublishPayload = Union[Payload, Sequence[Any]]
+# Pause before publishing again after a broken stream.
+_RETRY_PAUSE_S = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,7 @@ class VariablePublisher(LazyChannel):
         self.publisher_token = publisher_token
         self.chunk_bytes = chunk_bytes
         self.format = format
+        self.retries = 0   # publishes sent again after a broken stream
 
     @property
     def max_message_bytes(self) -> int:
@@ -112,7 +115,8 @@ class VariablePublisher(LazyChannel):
 
         `payload`: bytes-like, or a list/tuple of bytes-likes sent back to back as one payload
         (not copied first; they must not change until publish returns). Waits up to `timeout_s`
-        for the server to come up. `dropped_total`: rollouts the learner has dropped so far
+        for the server to come up, and publishes again while a stream breaks (UNAVAILABLE:
+        the server restarted or the network failed) until `timeout_s` has passed. `dropped_total`: rollouts the learner has dropped so far
         (admission credit). Raises PublishError naming the cause.
         """
         if version < 0:
@@ -128,22 +132,38 @@ class VariablePublisher(LazyChannel):
         total = sum(v.nbytes for v in views)
         metadata = self._metadata()
         start = time.monotonic()
-        call = self._get_channel().stream_unary(
-            f"{SERVICE}/Publish", request_serializer=None,
-            response_deserializer=variables_pb2.PublishReply.FromString)
-        try:
-            reply = call(self._chunks(version, views, total, dropped_total), timeout=timeout_s,
-                         metadata=metadata, wait_for_ready=True)
-        except grpc.RpcError as e:
-            code = e.code()
-            hint = ""
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                hint = f" (is the variable server running at {self._address}?)"
-            elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                hint = (f" (chunk_bytes={self.chunk_bytes} may exceed the server's "
-                        "max_message_bytes: lower chunk_bytes or raise max_message_bytes)")
-            raise PublishError(f"publish of version {version} ({total} bytes) to "
-                               f"{self._address} failed: {describe(e)}{hint}", code) from None
+        deadline = start + timeout_s
+        attempt = 0
+        while True:
+            attempt += 1
+            call = self._get_channel().stream_unary(
+                f"{SERVICE}/Publish", request_serializer=None,
+                response_deserializer=variables_pb2.PublishReply.FromString)
+            try:
+                reply = call(self._chunks(version, views, total, dropped_total),
+                             timeout=max(0.001, deadline - time.monotonic()),
+                             metadata=metadata, wait_for_ready=True)
+                break
+            except grpc.RpcError as e:
+                code = e.code()
+                # The stream broke (the server was killed or restarted mid-publish, or the
+                # network): publish again until the deadline. Idempotent: a server that already
+                # holds this version accepts the same payload again (store.py).
+                if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
+                    self.retries += 1
+                    logging.warning("publish of version %d to %s broke (%s); retrying (attempt "
+                                    "%d)", version, self._address, describe(e), attempt + 1)
+                    time.sleep(min(_RETRY_PAUSE_S, max(0.0, deadline - time.monotonic())))
+                    continue
+                hint = ""
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    hint = f" (is the variable server running at {self._address}?)"
+                elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    hint = (f" (chunk_bytes={self.chunk_bytes} may exceed the server's "
+                            "max_message_bytes: lower chunk_bytes or raise max_message_bytes)")
+                raise PublishError(f"publish of version {version} ({total} bytes) to "
+                                   f"{self._address} failed after {attempt} attempt(s): "
+                                   f"{describe(e)}{hint}", code) from None
         if reply.version != version or reply.num_bytes != total:
             raise PublishError(f"publish of version {version} ({total} bytes): the server "
                                f"acknowledged version {reply.version} with {reply.num_bytes} "
