@@ -117,6 +117,10 @@ def run_program(config: SAOConfig, make_program, progress: bool = True,
     node_env = {"OMP_NUM_THREADS": str(config.threads_per_process), "TF_CPP_MIN_LOG_LEVEL": "2",
                 "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 **(env or {})}
+    if config.launch == "local_mp" and config.reverb_without_tensorflow:
+        from sao_actor_learner.replay.client import lite_env
+
+        node_env = {**lite_env(), **node_env}   # set before each node's interpreter starts
     t0 = time.time()
     program = make_program(config)
     launched = lp.launch(program, launch_type=config.launch, run_dir=run_dir,

@@ -80,9 +80,8 @@ class ForgingActor(core.Worker):
         import secrets
 
         import numpy as np
-        import reverb
 
-        from sao_actor_learner.replay import RolloutWriter
+        from sao_actor_learner.replay import RolloutWriter, connect
         from sao_actor_learner.replay.tables import DEFAULT_TABLE
         from sao_actor_learner.replay.validation import RolloutSigner
 
@@ -95,11 +94,12 @@ class ForgingActor(core.Worker):
                 seq += 1
                 assert writer.write(forged_rollout(seq, self._vocab_size, self._max_len), 60.0)
             writer.close()
-        client = reverb.Client(self._address)
+        # Through Reverb's C++ client as the node loads it (this process may not import the
+        # reverb package: replay/client.py), without the table-signature check.
+        client = connect(self._address)
         for i in range(FORGERIES["garbage"]):
             raw = client.trajectory_writer(num_keep_alive_refs=1, validate_items=False)
-            raw.append([np.arange(5 + i, dtype=np.float64)])
-            raw.create_item(DEFAULT_TABLE, 1.0, [raw.history[0][-1]])
+            raw.append_item(DEFAULT_TABLE, [np.arange(5 + i, dtype=np.float64)])
             raw.flush(timeout_ms=60_000)
             raw.close()
 

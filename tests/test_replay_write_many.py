@@ -161,50 +161,6 @@ def test_nearly_full_sends_one_per_check_so_a_lost_race_leaves_one_waiting(small
     assert [r.prompt_id for r in got[2:]] == [r.prompt_id for r in late[:3]]
 
 
-class _PublicOnly:
-    """A reverb.TrajectoryWriter seen only through its public API (as if Reverb's internals
-    were not those of 0.14)."""
-
-    def __init__(self, writer):
-        self._w = writer
-
-    def append(self, data):
-        self._w.append(data)
-
-    @property
-    def history(self):
-        return self._w.history
-
-    def create_item(self, *args):
-        self._w.create_item(*args)
-
-    def flush(self, *args, **kwargs):
-        self._w.flush(*args, **kwargs)
-
-    def close(self):
-        self._w.close()
-
-
-def test_public_api_fallback_writes_the_same_items(server):
-    sent = [make_rollout(L, seed=60 + i) for i, L in enumerate([7, 30, 12, 64])]
-    with make_writer(server) as writer, RolloutReader(server.address) as reader:
-        client = writer._client
-
-        class _Client:   # what the writer uses of a reverb.Client
-            server_address = client.server_address
-            _client = client._client                  # ServerInfo, for the free-slot check
-
-            def trajectory_writer(self, **kwargs):
-                return _PublicOnly(client.trajectory_writer(**kwargs))
-
-        writer._client = _Client()
-        assert all(r.confirmed for r in writer.write_many(sent, timeout_s=30.0))
-        assert all(isinstance(w, _PublicOnly) for w in writer._writers.values())
-        got = read_all(reader, len(sent))
-    for a, b in zip(sent, got):
-        assert_same(a, b)
-
-
 def test_after_close_and_empty(small_server):
     writer = make_writer(small_server)
     assert writer.write_many([], timeout_s=0.1) == []

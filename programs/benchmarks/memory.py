@@ -18,8 +18,10 @@ that node's process does before it runs, recording its RSS after each stage:
   py+prog      the interpreter and programs/sao.py's modules (every spawned node re-imports its
                launcher's __main__);
   torch        `import torch` (nodes that map libtorch);
-  TF(+Reverb)  `import reverb`, which imports TensorFlow (nodes that map Reverb), or `import
-               tensorflow` (nodes that map TensorFlow without Reverb);
+  TF(+Reverb)  `import reverb`, which imports TensorFlow (nodes that map Reverb with TensorFlow's
+               Python module), or `import tensorflow` (nodes that map TensorFlow without Reverb);
+  Reverb C++   Reverb's C++ client alone, without TensorFlow's Python module (replay/client.py:
+               actors and learner under local_mp);
   node mods    the node's own modules, as builder.make_<node> imports them;
   HF model     the transformers model class of the checkpoint (transformers loads model code
                lazily), for nodes with a model;
@@ -88,6 +90,7 @@ NODE_MODULES = {
 MODEL_NODES = {"learner": True, "actor": False, "evaluator": False}
 # Shared libraries that say a framework is loaded in a process (from /proc/<pid>/maps).
 FRAMEWORK_LIBS = {"torch": "libtorch_cpu.so", "tensorflow": "libtensorflow_framework.so",
+                  "tensorflow python": "_pywrap_tensorflow_internal.so",
                   "reverb": "reverb/libpybind.so", "grpc": "cygrpc.cpython"}
 
 # A fresh interpreter's RSS after each cumulative stage: ["import", modules] imports them,
@@ -105,6 +108,9 @@ for name, kind, *args in json.loads(sys.argv[1]):
     if kind == "import":
         for m in args[0]:
             importlib.import_module(m)
+    elif kind == "reverb client":
+        from sao_actor_learner.replay.client import pybind
+        pybind()
     elif kind == "model code":
         import transformers
         with open(os.path.join(args[0], "config.json")) as f:
@@ -238,9 +244,11 @@ def baseline_stages(node_type: str, frameworks: List[str], checkpoint: str) -> L
     stages = [["program", "import", PROGRAM_MODULES]]
     if "torch" in frameworks:
         stages.append(["torch", "import", ["torch"]])
-    if "reverb" in frameworks:
+    if "reverb" in frameworks and "tensorflow python" in frameworks:
         stages.append(["tensorflow", "import", ["reverb"]])   # reverb imports TensorFlow
-    elif "tensorflow" in frameworks:   # e.g. through torch.utils.tensorboard
+    elif "reverb" in frameworks:   # Reverb's C++ client alone (replay/client.py)
+        stages.append(["reverb client", "reverb client"])
+    elif "tensorflow python" in frameworks:   # e.g. through torch.utils.tensorboard
         stages.append(["tensorflow", "import", ["tensorflow"]])
     stages.append(["node modules", "import", NODE_MODULES[node_type]])
     if node_type in MODEL_NODES:
@@ -252,7 +260,10 @@ def baseline_stages(node_type: str, frameworks: List[str], checkpoint: str) -> L
 def run_baselines(stages_by_type: Dict[str, List[list]]) -> Dict[str, List[list]]:
     """{node type: [[stage, cumulative RSS bytes], ...]}, one fresh interpreter per node type,
     all at once (each measures only itself)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    from sao_actor_learner.replay.client import lite_env
+
+    # As run.py starts the nodes (a process that imports reverb still gets the package).
+    env = {**os.environ, **lite_env(), "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
     procs = {t: subprocess.Popen([sys.executable, "-c", _BASELINE_SCRIPT, json.dumps(stages)],
                                  cwd=REPO, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
@@ -326,6 +337,7 @@ def main(argv):
     print(f"ran {run['wall_s']:.0f}s, {run['summary'].get('steps')} steps; policy checkpoint "
           f"{model_bytes / MIB:.2f} MiB")
     columns = [("python+program", "py+prog"), ("torch", "torch"), ("tensorflow", "TF(+Reverb)"),
+               ("reverb client", "Reverb C++"),
                ("node modules", "node mods"), ("model code", "HF model"), ("weights", "weights"),
                ("run-time", "run-time")]
     header = (f"{'node':>9} {'n':>2} {'peak RSS':>8} {'baseline':>8} "

@@ -10,6 +10,7 @@
 
 Importing this package does not import Reverb or TensorFlow; making any of these objects does.
 """
+from sao_actor_learner.replay.client import ReplayClient, connect, lite_env
 from sao_actor_learner.replay.reader import RolloutReader, decode_item
 from sao_actor_learner.replay.tables import (DEFAULT_TABLE, ITEM_COLUMNS, ReplayServer,
                                              make_rollouts_table, rollouts_signature)
@@ -18,4 +19,4 @@ from sao_actor_learner.replay.writer import (REJECT_REASONS, RolloutWriter, Writ
 
 __all__ = ["ReplayServer", "RolloutReader", "RolloutWriter", "make_rollouts_table",
            "rollouts_signature", "decode_item", "bucket_lengths", "REJECT_REASONS",
-           "DEFAULT_TABLE", "ITEM_COLUMNS", "WriteResult"]
+           "DEFAULT_TABLE", "ITEM_COLUMNS", "WriteResult", "ReplayClient", "connect", "lite_env"]

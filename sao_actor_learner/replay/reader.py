@@ -39,7 +39,8 @@ import numpy as np
 from absl import logging
 
 from sao_actor_learner.replay import item
-from sao_actor_learner.replay.tables import DEFAULT_TABLE, ITEM_COLUMNS, connect, table_status
+from sao_actor_learner.replay.client import connect
+from sao_actor_learner.replay.tables import DEFAULT_TABLE, ITEM_COLUMNS
 from sao_actor_learner.replay.validation import REJECT_REASONS, RolloutVerifier
 from sao_actor_learner.types import SCALAR_COLUMNS, TOKEN_COLUMNS, Rollout
 
@@ -66,8 +67,8 @@ class RolloutReader:
     Call `sample` from one thread (the learner's); one reader per consumer.
 
     Args:
-      client_or_address: a `reverb.Client` or the replay address "host:port" (works from any
-        process).
+      client_or_address: the replay address "host:port" (works from any process), a
+        ReplayClient or a `reverb.Client`.
       table: the table name.
       on_fetched: called with each rollout in the fetch thread as soon as it has arrived from
         replay (which has already removed it), before `sample` can return it; the learner's
@@ -107,7 +108,7 @@ class RolloutReader:
 
     def queue_size(self) -> int:
         """Rollouts currently in the table (not counting `buffered`)."""
-        return table_status(self._client, self._table)[0]
+        return self._client.table_status(self._table).current_size
 
     def sample(self, n: int, timeout_s: float, min_items: int = 1) -> List[Rollout]:
         """Up to `n` rollouts, oldest first.
@@ -156,7 +157,7 @@ class RolloutReader:
 
     def _available(self) -> int:
         try:
-            size = table_status(self._client, self._table)[0]
+            size = self._client.table_status(self._table).current_size
         except KeyError:
             raise
         except Exception as e:  # unreachable or restarting server: report empty, retry
@@ -198,8 +199,7 @@ class RolloutReader:
                 # A sampler for exactly k items, all in one request (buffer size k). The pybind
                 # sampler is what `Client.sample` wraps; used directly to fetch k items per
                 # round trip instead of one.
-                raw_client = self._client._client  # pylint: disable=protected-access
-                sampler = raw_client.NewSampler(self._table, k, k)
+                sampler = self._client.sampler(self._table, k, k)
                 for _ in range(k):
                     flat = sampler.GetNextTrajectory()[_NUM_INFO_TENSORS:]
                     rollout = self._decode(flat)

@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 from absl import logging
 
 from sao_actor_learner import core
+from sao_actor_learner.replay.client import connect
 
 DEFAULT_TABLE = "rollouts"
 
 # An item has one column: the rollout packed into bytes (replay/item.py has the layout and why).
 ITEM_COLUMN = "item"
 ITEM_COLUMNS: Tuple[str, ...] = (ITEM_COLUMN,)
-
-# Seconds; the smallest timeout `Client.server_info` accepts (it takes whole seconds, and without a
-# timeout it waits forever for an unreachable server).
-SERVER_INFO_TIMEOUT_S = 1
 
 
 
@@ -66,83 +63,6 @@ def make_rollouts_table(queue_capacity: int, name: str = DEFAULT_TABLE):
         max_times_sampled=1,
         signature=rollouts_signature(),
     )
-
-
-def connect(client_or_address: Union[str, Any]):
-    """A `reverb.Client` from an address ("host:port") or an existing client."""
-    if isinstance(client_or_address, str):
-        if ":" not in client_or_address:
-            raise ValueError(f"replay address {client_or_address!r}: expected 'host:port', "
-                             "e.g. ReplayServer.address")
-        import reverb
-
-        return reverb.Client(client_or_address)
-    if not hasattr(client_or_address, "server_info"):
-        raise TypeError(f"expected a replay address 'host:port' or a reverb.Client, got "
-                        f"{type(client_or_address).__name__}")
-    return client_or_address
-
-
-def table_info(client, table: str, timeout_s: int = SERVER_INFO_TIMEOUT_S):
-    """The `reverb.TableInfo` of `table`; raises KeyError naming the tables that exist."""
-    infos = client.server_info(timeout=max(1, int(timeout_s)))
-    if table not in infos:
-        raise KeyError(f"replay has no table {table!r}; it has {sorted(infos)}. Pass the table "
-                       "name the ReplayServer was made with")
-    return infos[table]
-
-
-def table_status(client, table: str, timeout_s: int = SERVER_INFO_TIMEOUT_S) -> Tuple[int, int]:
-    """(items in `table`, items its rate limiter lets wait): one ServerInfo round trip.
-
-    `Client.server_info` also decodes every table signature into TensorSpecs through TensorFlow
-    (~0.3 ms for the rollouts table, 5x the round trip); the hot paths (a check per write, per
-    read) parse the `TableInfo` protos and skip that (`table_info_proto`). Falls back to
-    `server_info` if Reverb's internals differ from 0.14's.
-    """
-    timeout = max(1, int(timeout_s))
-    raw_client = getattr(client, "_client", None)
-    if raw_client is None or not hasattr(raw_client, "ServerInfo"):
-        info = table_info(client, table, timeout)
-        return int(info.current_size), insert_capacity(info)
-    info = table_info_proto(client, table, timeout)
-    return int(info.current_size), insert_capacity(info)
-
-
-def table_info_proto(client, table: str, timeout_s: int = SERVER_INFO_TIMEOUT_S):
-    """The `TableInfo` proto of `table` from one raw ServerInfo round trip (no TensorFlow
-    signature decoding); raises TimeoutError when replay does not answer, KeyError naming the
-    tables that exist when it has no `table`. Needs Reverb 0.14's `client._client`."""
-    from reverb.cc import schema_pb2
-
-    timeout = max(1, int(timeout_s))
-    try:
-        protos = client._client.ServerInfo(timeout)  # pylint: disable=protected-access
-    except RuntimeError as e:
-        if "Deadline Exceeded" in str(e):
-            raise TimeoutError(f"replay at {client.server_address} did not answer within "
-                               f"{timeout}s") from e
-        raise
-    names = []
-    for proto in protos:
-        info = schema_pb2.TableInfo.FromString(proto)
-        if info.name == table:
-            return info
-        names.append(info.name)
-    raise KeyError(f"replay has no table {table!r}; it has {sorted(names)}. Pass the table name "
-                   "the ReplayServer was made with")
-
-
-def insert_capacity(info) -> int:
-    """How many items the table's rate limiter lets wait before it blocks inserts.
-
-    Reverb's limiter admits an insert while `(inserts + 1) * samples_per_insert - samples <=
-    max_diff`. For the queue table (samples_per_insert 1, every sample removes its item)
-    `inserts - samples` is the table's current size, so the bound is `max_diff` items.
-    """
-    rl = info.rate_limiter_info
-    spi = rl.samples_per_insert or 1.0
-    return int(min(info.max_size, rl.max_diff / spi))
 
 
 class ReplayServer(core.Worker):
@@ -221,10 +141,10 @@ class ReplayServer(core.Worker):
         return self
 
     def _check_restored(self) -> None:
-        info = table_info(self.client(), self.table_name)
-        restored = insert_capacity(info)
-        if info.current_size:
-            logging.info("ReplayServer: restored %d queued rollouts from %s", info.current_size,
+        status = connect(self.client()).table_status(self.table_name)
+        restored = status.insert_capacity
+        if status.current_size:
+            logging.info("ReplayServer: restored %d queued rollouts from %s", status.current_size,
                          self.checkpoint_dir)
         if restored != self.queue_capacity:
             logging.warning(

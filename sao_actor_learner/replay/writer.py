@@ -13,8 +13,9 @@ guarantees below: one free-slot check (the batch goes out whole while the table 
 twice over; nearer full, one rollout per check, as `write`), every rollout of the group padded to
 the group's longest bucket and appended to that one bucket writer (so they land in order), one
 flush: one confirmation round trip per call instead of one per rollout. The appends go straight
-to Reverb's pybind writer (its Python wrapper's bookkeeping added ~50 us per rollout, half the
-append's own cost). A rollout may thus be padded beyond its own bucket, to its group's.
+to Reverb's C++ writer (replay/client.py; its Python wrapper's bookkeeping added ~50 us per
+rollout, half the append's own cost). A rollout may thus be padded beyond its own bucket, to its
+group's.
 
 Measured by programs/benchmarks/replay_path.py (BENCHMARKS.md section 3; 2 shared cores, server
 in another process, rollouts of ~2k tokens): `write_many` of 8 ~3.2k rollouts/s, the raw legacy
@@ -63,8 +64,9 @@ import numpy as np
 from absl import logging
 
 from sao_actor_learner.replay import item
-from sao_actor_learner.replay.tables import (DEFAULT_TABLE, ITEM_COLUMN, SERVER_INFO_TIMEOUT_S,
-                                             connect, table_status)
+from sao_actor_learner.replay.client import (SERVER_INFO_TIMEOUT_S, FlushTimeout,
+                                             TrajectoryWriter, connect)
+from sao_actor_learner.replay.tables import DEFAULT_TABLE
 from sao_actor_learner.replay.validation import (REJECT_REASONS, RolloutSigner,  # noqa: F401
                                                  check_rollout)
 from sao_actor_learner import core
@@ -114,7 +116,7 @@ class RolloutWriter(core.RolloutSink):
     """Validates rollouts and inserts each as one replay item (see the module doc).
 
     Args:
-      client_or_address: a `reverb.Client` or the replay address "host:port".
+      client_or_address: the replay address "host:port", a ReplayClient or a `reverb.Client`.
       table: the table name.
       max_sequence_length: longer rollouts are rejected ("too_long").
       vocab_size: token ids must lie in [0, vocab_size).
@@ -140,7 +142,7 @@ class RolloutWriter(core.RolloutSink):
             raise ValueError(f"buckets_per_octave={buckets_per_octave}: must be >= 1")
         self._buckets = np.asarray(bucket_lengths(self.max_sequence_length, buckets_per_octave))
         self._signer = signer
-        self._writers: Dict[int, Any] = {}   # bucket length -> reverb.TrajectoryWriter
+        self._writers: Dict[int, TrajectoryWriter] = {}   # item bytes -> its writer
         self._retired: List[Any] = []        # writers with an unconfirmed item, until it lands
         self._retired_waiting: List[int] = []  # how many items each one still waits for
         self._rejected: collections.Counter = collections.Counter()
@@ -273,9 +275,9 @@ class RolloutWriter(core.RolloutSink):
             self._reap_retired()
             remaining = deadline - time.monotonic()
             try:
-                size, capacity = table_status(
-                    self._client, self._table,
-                    timeout_s=max(SERVER_INFO_TIMEOUT_S, int(np.ceil(remaining))))
+                status = self._client.table_status(
+                    self._table, timeout_s=max(SERVER_INFO_TIMEOUT_S, int(np.ceil(remaining))))
+                size, capacity = status.current_size, status.insert_capacity
                 # Our own items still waiting in the rate limiter will take slots first.
                 free = capacity - size - self._retired_pending()
                 if free > 0:
@@ -302,8 +304,6 @@ class RolloutWriter(core.RolloutSink):
         _MIN_CONFIRM_S). Returns, per item, whether replay confirmed it; the unconfirmed ones
         (always the last ones: one stream lands its items in order) keep their writer alive,
         retired, until they land, and later items use a fresh one."""
-        import reverb
-
         size = item.item_bytes(self._bucket(max(_item_length(packed) for packed in group)))
         writer = self._writers.get(size)
         if writer is None:
@@ -311,10 +311,10 @@ class RolloutWriter(core.RolloutSink):
             self._writers[size] = writer
         try:
             for packed in group:
-                self._append_item(writer, _padded(packed, size))
+                writer.append_item(self._table, [_padded(packed, size)])
             wait_s = max(deadline - time.monotonic(), _MIN_CONFIRM_S)
             writer.flush(timeout_ms=int(wait_s * 1000))
-        except reverb.errors.DeadlineExceededError:
+        except FlushTimeout:
             # Another writer took the slot: the items wait in the server's rate limiter and will
             # land. Keep this writer alive until they do; later items use a fresh one.
             waiting = _waiting_items(writer, len(group))
@@ -333,18 +333,6 @@ class RolloutWriter(core.RolloutSink):
                                f"{self._client.server_address} failed: {e}") from e
         return [True] * len(group)
 
-    def _append_item(self, writer: Any, packed: np.ndarray) -> None:
-        """Appends one step and creates the item referencing it. Straight through the pybind
-        writer when Reverb's internals are those of 0.14 (the Python wrapper's structure
-        bookkeeping adds ~50 us, half the append's own cost), else through the public API."""
-        internal = getattr(writer, "_writer", None)
-        if hasattr(internal, "Append") and hasattr(internal, "CreateItem"):
-            refs = internal.Append([packed])
-            internal.CreateItem(self._table, 1.0, [[ref] for ref in refs], [True])
-            return
-        writer.append({ITEM_COLUMN: packed})
-        writer.create_item(self._table, 1.0, {ITEM_COLUMN: writer.history[ITEM_COLUMN][-1]})
-
     def _retired_pending(self) -> int:
         """Our items still waiting in replay's rate limiter."""
         return sum(self._retired_waiting)
@@ -353,13 +341,11 @@ class RolloutWriter(core.RolloutSink):
         """Closes retired writers whose items have landed."""
         if not self._retired:
             return
-        import reverb
-
         keep, keep_waiting = [], []
         for writer, waiting in zip(self._retired, self._retired_waiting):
             try:
                 writer.flush(timeout_ms=1)  # not 0: Reverb reads timeout_ms=0 as "no timeout"
-            except reverb.errors.DeadlineExceededError:
+            except FlushTimeout:
                 keep.append(writer)  # still waiting in the rate limiter
                 keep_waiting.append(waiting)
                 continue
@@ -413,13 +399,11 @@ def _padded(packed: np.ndarray, size: int) -> np.ndarray:
 def _waiting_items(writer: Any, sent: int) -> int:
     """How many of the last `sent` items of `writer` replay has not confirmed yet (>= 1: called
     after a flush timed out). One probe (`flush` with 1 ms) per count tried."""
-    import reverb
-
     for waiting in range(1, sent):
         try:
             writer.flush(block_until_num_items=waiting, timeout_ms=1)
             return waiting
-        except reverb.errors.DeadlineExceededError:
+        except FlushTimeout:
             continue
     return sent
 
