@@ -8,7 +8,8 @@ from typing import Tuple
 
 from sao_actor_learner.config.sections import (ALGORITHMS, CRITIC_FREE_BASELINES, DTYPES,
                                                GAE_MODES, KERNEL_BACKENDS, LEARNER_STRATEGIES,
-                                               LOSS_NORMALIZATIONS, POLICY_LOSSES, Fail, Section,
+                                               LOSS_NORMALIZATIONS, LR_SCHEDULES, POLICY_LOSSES,
+                                               Fail, Section,
                                                at_least, choice, option)
 
 
@@ -28,6 +29,11 @@ class LearnerConfig(Section):
     policy_lr: float = option(5e-5, "AdamW learning rate of the policy.")
     critic_lr: float = option(2.5e-4, "AdamW learning rate of the critic (5x the policy's, as "
                               "the public ports use).")
+    lr_schedule: str = option("constant", "The policy's learning rate over max_steps: "
+                              "constant, linear (to 0 at max_steps) or cosine (half a cosine "
+                              "to 0 at max_steps).")
+    lr_warmup_steps: int = option(0, "Policy steps of linear learning-rate warm-up before the "
+                                  "schedule.")
     critic_updates: int = option(2, "K: critic optimizer steps per policy step, each on "
                                  "recomputed values.")
     critic_frozen_patterns: Tuple[str, ...] = option(
@@ -112,8 +118,9 @@ class LearnerConfig(Section):
                 fail(f"{field}={getattr(self, field)}: must be in [0, 1]")
         if self.lambda_alpha <= 0:
             fail(f"lambda_alpha={self.lambda_alpha}: must be > 0 (SAO review: 1.5; VAPO: 0.05)")
+        choice(self, "lr_schedule", LR_SCHEDULES, fail)
         at_least(self, ("critic_warmup_steps", "value_pretrain_steps", "checkpoint_every",
-                        "keep_checkpoints", "micro_batch_tokens"), 0, fail)
+                        "keep_checkpoints", "micro_batch_tokens", "lr_warmup_steps"), 0, fail)
         if self.max_grad_norm <= 0:
             fail(f"max_grad_norm={self.max_grad_norm}: must be > 0")
         if self.value_clip < 0:

@@ -153,6 +153,8 @@ class Learner(core.Worker, core.VariableSource):
         estimate = self.estimator.estimate(batch)
         stats: Dict[str, float] = dict(estimate.stats)
         if train_policy:
+            stats["policy_lr"] = self.policy_trainer.set_learning_rate(self.version,
+                                                                       self.max_steps)
             stats.update(self.policy_trainer.step(batch, estimate.advantages))
         stats.update(self.estimator.update(batch, estimate))
         mask = batch.action_mask.bool()

@@ -37,6 +37,7 @@ from sao_actor_learner import kernels
 from sao_actor_learner.config.learner import LearnerConfig
 from sao_actor_learner.distributions import sampling_logprobs
 from sao_actor_learner.learner import distributed, losses, minibatches
+from sao_actor_learner.learner.schedules import lr_factor
 from sao_actor_learner.models.value import base_model_of
 from sao_actor_learner.types import Batch
 
@@ -95,6 +96,15 @@ class PolicyTrainer:
         if config.gradient_checkpointing:
             policy.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def set_learning_rate(self, version: int, total_steps: int) -> float:
+        """Sets the optimizer's learning rate for the step taken at policy `version` from the
+        schedule (learner/schedules.py); returns it."""
+        lr = self.config.policy_lr * lr_factor(version, self.config.lr_schedule,
+                                               self.config.lr_warmup_steps, total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     @property
     def device(self) -> torch.device:
