@@ -11,7 +11,7 @@ evaluator=in_learner): the learner offers every version it publishes; a due one 
 this process's engine and evaluated while the learner waits. It saves the evaluator's process
 (its start-up, its polling, its share of the cores) and evaluates exactly the versions due,
 never a later one; the learner's wall clock includes the evaluations (counted in its
-`in_learner_eval_s`). docs/DESIGN.md, Lean profile, has what it buys and costs.
+`in_learner_eval_s`). docs/DESIGN.md, The lean profile, has what it buys and costs.
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ is made from flags or by `from_profile`; the resolved config records the profile
 every resolved value, so config.json, `SAOConfig.from_json` and `replace` never apply it again.
 `SAOConfig(profile=...)` alone only records the name.
 
-What each profile buys and costs, measured: docs/DESIGN.md (Lean profile) and BENCHMARKS.md.
+What each profile buys and costs, measured: docs/DESIGN.md (The lean profile) and
+BENCHMARKS.md.
 Standard library only (the launcher validates configs without torch).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ PROFILES: Dict[str, Dict[str, Any]] = {
     # Not SAO's critic (critic=shared_trunk departs from the method: docs/METHOD.md section 6).
     "lean": {
         "num_actors": 1,                 # one actor process: the learner gets a core
-        "critic": "shared_trunk",        # one network; no K critic passes
+        "critic": "shared_trunk",        # one network; no critic forward/backward passes
         "evaluator": "in_learner",       # no evaluator process; evaluates in the learner
     },
 }
