@@ -237,12 +237,38 @@ def make_engine(config: SAOConfig, role: str = "actor", run_dir: Optional[str] =
     return TorchEngine.from_checkpoint(config.model, weight_sync_mode=sync)
 
 
+def make_critic(config: SAOConfig, policy, collective=None):
+    """The critic of config.algorithm=sao on `policy`'s device, prepared for the group:
+    critic=separate a ValueModel of its own (from critic_model, else a copy of the policy's
+    body) with critic_frozen_patterns frozen; critic=shared_trunk a value head on the policy's
+    own body (call this before the policy is prepared for the group: the body is shared).
+    None for the other algorithms."""
+    from sao_actor_learner.learner import distributed
+    from sao_actor_learner.models.value import ValueModel
+    if config.algorithm != "sao":
+        return None
+    collective = collective or distributed.SINGLE
+    if config.critic == "shared_trunk":
+        critic = ValueModel.sharing_trunk(policy)
+        distributed.prepare_module(critic.head, "ddp", collective)   # replicated, broadcast
+        return critic
+    critic = ValueModel.load(config.critic_model) if config.critic_model else \
+        ValueModel.from_policy(policy)
+    critic.freeze(config.critic_frozen_patterns)
+    critic.to(policy.get_input_embeddings().weight.device)
+    distributed.prepare_module(critic, config.learner_strategy, collective,
+                               layers=getattr(critic.body, "layers", ()))
+    return critic
+
+
 def assemble_learner(config: SAOConfig, policy, critic=None, source=None, *, publisher=None,
                      serialize=None, logger=None, tokenizer=None, checkpoint_root=None,
-                     token_limit=None, pad_id: int = 0, collective=None):
+                     token_limit=None, pad_id: int = 0, collective=None, evaluation=None):
     """The Learner of `config` from its parts: the policy trainer, the estimator of
-    config.algorithm (sao needs `critic`, already frozen), the sampler over `source`; each part
-    gets only its section (LearnerConfig) and the few other fields it needs."""
+    config.algorithm (sao needs `critic`, already frozen; with critic=shared_trunk and no
+    `critic`, the value head is made on `policy` here), the sampler over `source`; each part
+    gets only its section (LearnerConfig) and the few other fields it needs. `evaluation`:
+    the in-process evaluation (evaluator=in_learner), or None."""
     from sao_actor_learner.config.learner import LearnerConfig
     from sao_actor_learner.learner import distributed
     from sao_actor_learner.learner.estimators import make_estimator
@@ -252,9 +278,11 @@ def assemble_learner(config: SAOConfig, policy, critic=None, source=None, *, pub
 
     collective = collective or distributed.SINGLE
     section = config.section(LearnerConfig)
+    if critic is None and config.algorithm == "sao" and config.critic == "shared_trunk":
+        critic = make_critic(config, policy, collective)
     trainer = PolicyTrainer(policy, section, temperature=config.temperature, top_p=config.top_p,
                             token_limit=token_limit, collective=collective)
-    estimator = make_estimator(section, critic, collective)
+    estimator = make_estimator(section, critic, collective, policy_trainer=trainer)
     if config.algorithm == "grpo":
         sampler = GroupSampler(source, config.max_staleness, config.group_size)
     else:
@@ -267,7 +295,7 @@ def assemble_learner(config: SAOConfig, policy, critic=None, source=None, *, pub
                    checkpoint_every=config.checkpoint_every, publisher=publisher,
                    serialize=serialize, logger=logger, checkpoint_root=checkpoint_root,
                    tokenizer=tokenizer, keep_checkpoints=config.keep_checkpoints, pad_id=pad_id,
-                   collective=collective)
+                   collective=collective, evaluation=evaluation)
 
 
 def make_learner(config: SAOConfig, replay_address: str, variables_address: str,
@@ -294,7 +322,6 @@ def _build_learner(config: SAOConfig, replay_address: str, variables_address: st
     from sao_actor_learner.learner import distributed
     from sao_actor_learner.learner import journal as journal_lib
     from sao_actor_learner.models import checkpoint as ckpt
-    from sao_actor_learner.models.value import ValueModel
     from sao_actor_learner.observers import MetricsLogger
     from sao_actor_learner.variables import VariablePublisher
 
@@ -306,15 +333,8 @@ def _build_learner(config: SAOConfig, replay_address: str, variables_address: st
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     policy.to(device)
-    critic = None
-    if config.algorithm == "sao":
-        # A resumed learner's critic weights come from its checkpoint (resume.restore).
-        critic = ValueModel.load(config.critic_model) if config.critic_model else \
-            ValueModel.from_policy(policy)
-        critic.freeze(config.critic_frozen_patterns)
-        critic.to(device)
-        distributed.prepare_module(critic, config.learner_strategy, collective,
-                                   layers=getattr(critic.body, "layers", ()))
+    # A resumed learner's critic weights come from its checkpoint (resume.restore).
+    critic = make_critic(config, policy, collective)
     from sao_actor_learner.models.value import base_model_of
     distributed.prepare_module(policy, config.learner_strategy, collective,
                                layers=getattr(base_model_of(policy), "layers", ()))
@@ -329,7 +349,9 @@ def _build_learner(config: SAOConfig, replay_address: str, variables_address: st
         logger=MetricsLogger(run_dir, "learner") if collective.is_main else None,
         tokenizer=tokenizer, checkpoint_root=root,
         token_limit=ckpt.token_limit(policy, tokenizer), pad_id=tokenizer.pad_id,
-        collective=collective)
+        collective=collective,
+        evaluation=make_in_learner_evaluation(config, run_dir)
+        if config.evaluator == "in_learner" and collective.is_main else None)
     resume.restore(learner)
     return learner
 
@@ -452,19 +474,35 @@ def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_
 
 def make_evaluator(config: SAOConfig, variables_address: str, run_dir: Optional[str] = None,
                    auth_token: str = ""):
+    """The evaluator node (evaluator=node): it fetches versions from the variable server."""
     setup_process(config, offset=20_000)
-    from sao_actor_learner.actors.evaluator import Evaluator
     from sao_actor_learner.models import checkpoint as ckpt
-    from sao_actor_learner.observers import MetricsLogger
     from sao_actor_learner.variables import VariableClient
+
+    return _evaluator(config, run_dir,
+                      variables=VariableClient(variables_address,
+                                               config.variable_update_period_s,
+                                               **_variables_client_security(config, auth_token)),
+                      decode=ckpt.bytes_to_state_dict_views)  # no copy
+
+
+def make_in_learner_evaluation(config: SAOConfig, run_dir: Optional[str] = None):
+    """The evaluation the learner runs in its own process (evaluator=in_learner): the
+    evaluator's engine (the torch engine, its own copy of the model) and task, offered each
+    version the learner publishes (actors/evaluator.InLearnerEvaluation)."""
+    from sao_actor_learner.actors.evaluator import InLearnerEvaluation
+    return InLearnerEvaluation(_evaluator(config.replace(engine="torch"), run_dir,
+                                          variables=None, decode=None))
+
+
+def _evaluator(config: SAOConfig, run_dir: Optional[str], variables, decode):
+    from sao_actor_learner.actors.evaluator import Evaluator
+    from sao_actor_learner.observers import MetricsLogger
 
     engine = make_engine(config, role="evaluator", run_dir=run_dir)
     task = make_task(config, tokenizer=engine.tokenizer)
     _follow_engine_version(task, engine)
-    return Evaluator(task, engine,
-                     variables=VariableClient(variables_address, config.variable_update_period_s,
-                                              **_variables_client_security(config, auth_token)),
-                     decode=ckpt.bytes_to_state_dict_views,  # no copy
+    return Evaluator(task, engine, variables=variables, decode=decode,
                      params=sampling_params(config, greedy=True,
                                             stop_ids=engine.tokenizer.stop_ids),
                      pass_k=config.eval_pass_k,
@@ -481,7 +519,8 @@ TERMINAL_GROUPS = ("learner", "evaluator")
 
 def make_program(config: SAOConfig, run_dir: Optional[str] = None, actor_factory=None,
                  auth_token: Optional[str] = None):
-    """The SAO program: replay, variable server, learner, N actors, evaluator.
+    """The SAO program: replay, variable server, learner, N actors, evaluator (a node only with
+    config.evaluator="node").
 
     Nodes are wired only through handles. Two secrets are made here: the publisher token, given
     to the variable server and the learner alone (only the learner can publish weights), and
@@ -521,6 +560,7 @@ def make_program(config: SAOConfig, run_dir: Optional[str] = None, actor_factory
         for i in range(config.num_actors):
             program.add_node(lp.PyNode(actor_factory or make_actor, config, i, replay, variables,
                                        run_dir, **secure, **signed))
-    with program.group("evaluator"):
-        program.add_node(lp.PyNode(make_evaluator, config, variables, run_dir, **secure))
+    if config.evaluator == "node":   # in_learner: the learner evaluates; off: nothing does
+        with program.group("evaluator"):
+            program.add_node(lp.PyNode(make_evaluator, config, variables, run_dir, **secure))
     return program

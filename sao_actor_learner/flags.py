@@ -34,8 +34,20 @@ def define_flags_from_dataclass(cls, flag_values=flags.FLAGS, skip=()) -> None:
 
 
 def config_from_flags(cls, flag_values=flags.FLAGS, **overrides):
-    """Builds (and so validates) the config from parsed flags."""
-    kwargs = {f.name: flag_values[f.name].value for f in dataclasses.fields(cls)
-              if f.name in flag_values}
+    """Builds (and so validates) the config from parsed flags.
+
+    A config class with `from_profile` (SAOConfig) and `--profile` set: only the flags given
+    (on the command line, or assigned) and `overrides` are passed, so they win over the
+    profile's values even when they equal the field's default, and the profile's values win
+    over the defaults of the flags left out (config/profiles.py)."""
+    names = [f.name for f in dataclasses.fields(cls) if f.name in flag_values]
+    profile = overrides.get("profile", flag_values["profile"].value if "profile" in names
+                            else "")
+    if profile and hasattr(cls, "from_profile"):
+        given = {n: flag_values[n].value for n in names if n != "profile" and
+                 (flag_values[n].present or not flag_values[n].using_default_value)}
+        given.update({k: v for k, v in overrides.items() if k != "profile"})
+        return cls.from_profile(profile, **given)
+    kwargs = {n: flag_values[n].value for n in names}
     kwargs.update(overrides)
     return cls(**kwargs)

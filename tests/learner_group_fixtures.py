@@ -15,9 +15,8 @@ def run_rank(rank, world_size, address, overrides, out_path):
     from sao_actor_learner.types import collate
     import test_learner_scale as t
 
-    from sao_actor_learner.builder import assemble_learner
+    from sao_actor_learner.builder import assemble_learner, make_critic
     from sao_actor_learner.config import SAOConfig
-    from sao_actor_learner.models.value import ValueModel
 
     backend = os.environ.get("LEARNER_GROUP_BACKEND", "")     # "" gloo on CPU; nccl on GPUs
     collective = distributed.init_process_group(rank, world_size, address, timeout_s=120,
@@ -27,12 +26,7 @@ def run_rank(rank, world_size, address, overrides, out_path):
     config = SAOConfig(**{"batch_size": 8, "actor_batch": 8, "max_steps": 3, "learners": 2,
                           **overrides})
     policy = t.tiny_policy(0).to(device)
-    critic = None
-    if config.algorithm == "sao":
-        critic = ValueModel.from_policy(policy).to(device)
-        critic.freeze(config.critic_frozen_patterns)
-        distributed.prepare_module(critic, config.learner_strategy, collective,
-                                   layers=critic.body.layers)
+    critic = make_critic(config, policy, collective)   # before the policy is sharded
     distributed.prepare_module(policy, config.learner_strategy, collective,
                                layers=base_model_of(policy).layers)
     learner = assemble_learner(config, policy, critic, collective=collective)

@@ -45,7 +45,9 @@ def run_group(overrides, tmp_path, world_size=2):
     dict(learner_strategy="ddp"),
     dict(learner_strategy="ddp", micro_batch_tokens=30, algorithm="critic_free"),
     dict(learner_strategy="fsdp2"),
-], ids=["ddp", "ddp-micro-critic_free", "fsdp2"])
+    dict(learner_strategy="ddp", critic="shared_trunk"),
+    dict(learner_strategy="fsdp2", critic="shared_trunk"),
+], ids=["ddp", "ddp-micro-critic_free", "fsdp2", "ddp-shared_trunk", "fsdp2-shared_trunk"])
 def test_a_two_rank_step_equals_the_single_process_whole_batch_step(overrides, tmp_path):
     group = run_group(overrides, tmp_path)
     single = t.learner_for(**{k: v for k, v in overrides.items() if k != "learner_strategy"},

@@ -14,12 +14,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sao_actor_learner import core
-from sao_actor_learner.builder import assemble_learner
+from sao_actor_learner.builder import assemble_learner, make_critic
 from sao_actor_learner.config import SAOConfig
 from sao_actor_learner.engines.torch_engine import TorchEngine
 from sao_actor_learner.learner import losses
 from sao_actor_learner.learner.minibatches import pack_by_tokens
-from sao_actor_learner.models.value import ValueModel
 from sao_actor_learner.types import Rollout, collate
 
 V = 24
@@ -35,11 +34,8 @@ def tiny_policy(seed=0):
 def learner_for(source=None, seed=0, **overrides):
     config = SAOConfig(**{"batch_size": 6, "actor_batch": 6, "max_steps": 3, **overrides})
     policy = tiny_policy(seed)
-    critic = None
-    if config.algorithm == "sao":
-        critic = ValueModel.from_policy(policy)
-        critic.freeze(config.critic_frozen_patterns)
-    return assemble_learner(config, policy, critic, source, serialize=lambda sd: b"")
+    return assemble_learner(config, policy, make_critic(config, policy), source,
+                            serialize=lambda sd: b"")
 
 
 def rollouts(n=6, seed=0, version=0, noise=0.5, lengths=(3, 17)):

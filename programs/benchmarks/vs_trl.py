@@ -61,7 +61,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from absl import app, flags
 
@@ -116,10 +116,12 @@ def _side_env() -> Dict[str, str]:
             "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def run_side(cmd: List[str], log_path: str, progress_file: Optional[str] = None) -> Dict:
+def run_side(cmd: List[str], log_path: str, progress_file: Optional[str] = None,
+             on_tick: Optional[Callable[[int], None]] = None) -> Dict:
     """Runs one side's process (its own session, so a stuck run is killed whole); returns its
     stdout, launch time, wall and CPU seconds. With `progress_file`, a run whose file has not
-    grown for --stall_timeout_s is killed and reported as stalled."""
+    grown for --stall_timeout_s is killed and reported as stalled. `on_tick(pid)` is called
+    every 0.5 s while it runs (pid: the process, also its session's id)."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t_launch = time.time()
@@ -131,6 +133,8 @@ def run_side(cmd: List[str], log_path: str, progress_file: Optional[str] = None)
         try:
             while proc.poll() is None:
                 time.sleep(0.5)
+                if on_tick is not None:
+                    on_tick(proc.pid)
                 now = time.time()
                 if progress_file is not None:
                     size = os.path.getsize(progress_file) if os.path.exists(progress_file) else 0

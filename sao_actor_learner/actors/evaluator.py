@@ -5,6 +5,13 @@ any sample is correct).
 Version 0 (the warm start) is evaluated from the checkpoint on disk at start-up, so the
 initial accuracy never depends on timing; the final version (`max_steps`) is always evaluated,
 after which the evaluator finishes.
+
+`InLearnerEvaluation` runs the same evaluation inside the learner's process (config
+evaluator=in_learner): the learner offers every version it publishes; a due one is copied into
+this process's engine and evaluated while the learner waits. It saves the evaluator's process
+(its start-up, its polling, its share of the cores) and evaluates exactly the versions due,
+never a later one; the learner's wall clock includes the evaluations (counted in its
+`in_learner_eval_s`). docs/DESIGN.md, The lean profile, has what it buys and costs.
 """
 from __future__ import annotations
 
@@ -98,28 +105,56 @@ class Evaluator(core.Worker):
             self._logger.write(row)
         return acc
 
+    def offer(self, version: int, weights: Callable[[], dict]) -> bool:
+        """Evaluates `version` if it is due, loading `weights()` (a state dict) first when the
+        engine holds another version; returns whether it evaluated."""
+        if not self._due(version):
+            return False
+        if version != self._engine.version:
+            self._engine.load_weights(weights(), version)
+        self._evaluate_current()
+        return True
+
     def _due(self, version: int) -> bool:
         if version in self.results:
             return False
-        if version >= self._max_steps:
+        if version == 0 or version >= self._max_steps:   # the node's first and last, always
             return True
         last = max(self.results) if self.results else -1
         return self._eval_every > 0 and version // self._eval_every > last // self._eval_every
+
+    def close(self) -> None:
+        self._task.close()
 
     def run(self) -> None:
         try:
             self._run()
         finally:
-            self._task.close()
+            self.close()
 
     def _run(self) -> None:
         self._evaluate_current()  # version 0, the checkpoint the engine was built from
         while not self._stop.is_set() and self._max_steps not in self.results:
             self._variables.update()
             v, params = self._variables.get_variables()
-            if v >= 0 and self._due(v):
-                if v != self._engine.version:
-                    self._engine.load_weights(self._decode(params), v)
-                self._evaluate_current()
-            else:
+            if v < 0 or not self.offer(v, lambda: self._decode(params)):
                 time.sleep(0.05)
+
+
+class InLearnerEvaluation:
+    """The evaluator's work in the learner's process (see the module docstring): the Learner
+    calls it as `evaluation(version, weights)` after publishing each version; `weights()` is
+    the policy's sync state dict (copied into `engine` only when the version is due)."""
+
+    def __init__(self, evaluator: Evaluator):
+        self._evaluator = evaluator
+
+    @property
+    def results(self) -> Dict[int, float]:
+        return self._evaluator.results
+
+    def __call__(self, version: int, weights: Callable[[], dict]) -> bool:
+        return self._evaluator.offer(version, weights)
+
+    def close(self) -> None:
+        self._evaluator.close()

@@ -2,8 +2,9 @@
 and `learner.py`, validated when it is made.
 
 Flags and config.json are flat: every field of every section is a top-level flag
-(`--policy_lr`) and key. Components take their section, e.g. `config.section(LearnerConfig)`,
-or explicit arguments. Every check runs before any process starts and its message names the
+(`--policy_lr`) and key. A named profile (`--profile=lean`, `SAOConfig.from_profile`) sets
+several fields under the ones given explicitly (profiles.py has the precedence). Components
+take their section, e.g. `config.section(LearnerConfig)`, or explicit arguments. Every check runs before any process starts and its message names the
 field, the value and what to change ("max_staleness=-1: must be >= 0; 0 means strictly
 on-policy"). Fields left at 0 / "" that have a per-task default take it (`TASK_DEFAULTS`).
 """
@@ -14,9 +15,10 @@ import json
 from typing import Type, TypeVar
 
 from sao_actor_learner.config.learner import LearnerConfig
+from sao_actor_learner.config.profiles import PROFILES, apply_profile
 from sao_actor_learner.config.sections import (  # noqa: F401  (re-exported)
-    ACTOR_DELAYS, ALGORITHMS, CRITIC_FREE_BASELINES, DTYPES, ENGINES, GAE_MODES,
-    KERNEL_BACKENDS, LAUNCH_TYPES, LEARNER_STRATEGIES, LOSS_NORMALIZATIONS, POLICY_LOSSES,
+    ACTOR_DELAYS, ALGORITHMS, CRITIC_FREE_BASELINES, CRITICS, DTYPES, ENGINES, EVALUATORS,
+    GAE_MODES, KERNEL_BACKENDS, LAUNCH_TYPES, LEARNER_STRATEGIES, LOSS_NORMALIZATIONS, POLICY_LOSSES,
     PROGRAM_GROUPS, TASKS, WEIGHT_SYNC_MODES, ActorConfig, ConfigError, DatasetConfig,
     EngineConfig, EvalConfig, LaunchConfig, ProgramConfig, ReplayConfig, Section,
     parse_ray_resources, raise_config_error)
@@ -110,6 +112,15 @@ class SAOConfig(LaunchConfig, EvalConfig, DatasetConfig, LearnerConfig, EngineCo
     def replace(self, **kwargs) -> "SAOConfig":
         return dataclasses.replace(self, **kwargs)
 
+    @classmethod
+    def from_profile(cls, profile: str, **given) -> "SAOConfig":
+        """The config of profile `profile` ("" : none) with the `given` fields set explicitly:
+        they win over the profile's values (precedence: profiles.py)."""
+        if profile and profile not in PROFILES:
+            raise ConfigError(f"profile={profile!r}: must be one of "
+                              f"{', '.join(sorted(PROFILES))} or empty (no profile)")
+        return cls(**apply_profile(profile, given))
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
@@ -166,6 +177,7 @@ class SAOConfig(LaunchConfig, EvalConfig, DatasetConfig, LearnerConfig, EngineCo
         if self.learners > 1 and (self.batch_size // self.learners) % G:
             fail(f"batch_size/learners={self.batch_size // self.learners} is not a multiple of "
                  f"group_size={G}: each rank needs whole groups")
+        self._check_lean_choices(fail)
         if self.launch != "ray" and (self.ray_address or self.ray_resources):
             fail(f"ray_address={self.ray_address!r} / ray_resources={list(self.ray_resources)}: "
                  f"apply to --launch=ray only (launch={self.launch!r}); drop them or use ray")
@@ -184,3 +196,19 @@ class SAOConfig(LaunchConfig, EvalConfig, DatasetConfig, LearnerConfig, EngineCo
                  "the same reward)")
         if self.max_turns != 1:
             fail(f"max_turns={self.max_turns}: dataset prompts are single-turn; drop --max_turns")
+
+    def _check_lean_choices(self, fail) -> None:
+        """evaluator=in_learner and critic=shared_trunk against the rest of the config."""
+        if self.evaluator == "in_learner":
+            if self.learners > 1:
+                fail(f"evaluator='in_learner' with learners={self.learners}: the group's other "
+                     "ranks would wait at their next collective while rank 0 evaluates (and "
+                     "under fsdp2 rank 0 holds only its shards); use --evaluator=node")
+            if self.engine == "vllm" and self.vllm_evaluator:
+                fail("evaluator='in_learner' with vllm_evaluator=True: the learner evaluates "
+                     "with the torch engine in its own process; drop --vllm_evaluator or use "
+                     "--evaluator=node")
+        if self.critic == "shared_trunk" and self.critic_model:
+            fail(f"critic='shared_trunk' with critic_model={self.critic_model!r}: the value "
+                 "head sits on the policy's own trunk, there is no separate critic to load; "
+                 "drop --critic_model or use --critic=separate")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Tuple
 
-from sao_actor_learner.config.sections import (ALGORITHMS, CRITIC_FREE_BASELINES, DTYPES,
-                                               GAE_MODES, KERNEL_BACKENDS, LEARNER_STRATEGIES,
-                                               LOSS_NORMALIZATIONS, LR_SCHEDULES, POLICY_LOSSES,
-                                               Fail, Section,
+from sao_actor_learner.config.sections import (ALGORITHMS, CRITIC_FREE_BASELINES, CRITICS,
+                                               DTYPES, GAE_MODES, KERNEL_BACKENDS,
+                                               LEARNER_STRATEGIES, LOSS_NORMALIZATIONS,
+                                               LR_SCHEDULES, POLICY_LOSSES, Fail, Section,
                                                at_least, choice, option)
 
 
@@ -35,7 +35,13 @@ class LearnerConfig(Section):
     lr_warmup_steps: int = option(0, "Policy steps of linear learning-rate warm-up before the "
                                   "schedule.")
     critic_updates: int = option(2, "K: critic optimizer steps per policy step, each on "
-                                 "recomputed values.")
+                                 "recomputed values (critic=shared_trunk: the joint step plus "
+                                 "K-1 steps of the head alone on the step's hidden states).")
+    critic: str = option("separate", "separate (SAO: a network of its own, attention frozen, K "
+                         "steps) or shared_trunk (a value head on the policy's last hidden "
+                         "state, trained with the policy loss; not SAO's critic).")
+    value_loss_coef: float = option(0.5, "critic=shared_trunk: the value loss's weight against "
+                                    "the policy loss in the joint loss the shared trunk learns.")
     critic_frozen_patterns: Tuple[str, ...] = option(
         ("self_attn", "embed_tokens", "norm"), "Regexes of critic parameters kept frozen "
         "(attention, embeddings and norms); each must match some parameter.")
@@ -100,7 +106,8 @@ class LearnerConfig(Section):
                                ("gae", GAE_MODES), ("loss_normalization", LOSS_NORMALIZATIONS),
                                ("kernel_backend", KERNEL_BACKENDS), ("baseline",
                                                                      CRITIC_FREE_BASELINES),
-                               ("dtype", DTYPES), ("learner_strategy", LEARNER_STRATEGIES)):
+                               ("dtype", DTYPES), ("learner_strategy", LEARNER_STRATEGIES),
+                               ("critic", CRITICS)):
             choice(self, field, options, fail)
         at_least(self, ("critic_updates", "learners", "policy_minibatches"), 1, fail)
         if not 0.0 < self.eps_low < 1.0:
@@ -148,5 +155,27 @@ class LearnerConfig(Section):
         if self.bootstrap_truncated and self.algorithm != "sao":
             fail(f"bootstrap_truncated=True needs a critic (algorithm='sao', not "
                  f"{self.algorithm!r})")
+        if self.critic == "shared_trunk":
+            self._check_shared_trunk(fail)
         if not self.collective_timeout_s > 0:
             fail(f"collective_timeout_s={self.collective_timeout_s}: must be > 0 seconds")
+
+    def _check_shared_trunk(self, fail: Fail) -> None:
+        """critic=shared_trunk: the combinations it does not support (docs/METHOD.md, the
+        shared-trunk value head)."""
+        if self.algorithm != "sao":
+            fail(f"critic='shared_trunk' with algorithm={self.algorithm!r}: only sao has a "
+                 "critic; drop --critic or use --algorithm=sao")
+        if not self.value_loss_coef > 0:
+            fail(f"value_loss_coef={self.value_loss_coef}: must be > 0 (the value head reaches "
+                 "the trunk only through the joint loss)")
+        if self.value_pretrain_steps or self.critic_warmup_steps:
+            fail(f"critic='shared_trunk' with value_pretrain_steps={self.value_pretrain_steps}, "
+                 f"critic_warmup_steps={self.critic_warmup_steps}: critic-only steps would move "
+                 "the policy's trunk without a new version; set both to 0 or use "
+                 "--critic=separate")
+        if self.loss_normalization != "action_tokens":
+            fail(f"critic='shared_trunk' with loss_normalization={self.loss_normalization!r}: "
+                 "the kept-token rescaling of the policy gradient would rescale the value "
+                 "loss's gradient in the shared trunk too; use action_tokens or "
+                 "--critic=separate")

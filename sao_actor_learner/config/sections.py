@@ -32,6 +32,8 @@ ACTOR_DELAYS = ("none", "fixed", "uniform", "heavy_tailed")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 DTYPES = ("float32", "bfloat16")
 LEARNER_STRATEGIES = ("ddp", "fsdp2")
+CRITICS = ("separate", "shared_trunk")
+EVALUATORS = ("node", "in_learner", "off")
 # The groups of the SAO program (builder.make_program), for restart_groups and ray_resources.
 PROGRAM_GROUPS = ("replay", "variables", "learner", "learner_store", "actor", "evaluator")
 
@@ -109,7 +111,15 @@ class ProgramConfig(Section):
     critic_model: str = option("", "Where the critic starts: a critic directory (e.g. value-"
                                "pretrained) or a causal-LM directory; empty: the policy's.")
 
+    profile: str = option("", "A named set of settings applied under the flags given "
+                          "explicitly (lean: one actor, a shared-trunk value head, evaluation "
+                          "in the learner; docs/DESIGN.md, The lean profile); empty: none.")
+
     def check(self, fail: Fail) -> None:
+        from sao_actor_learner.config.profiles import PROFILES
+        if self.profile and self.profile not in PROFILES:
+            fail(f"profile={self.profile!r}: must be one of {', '.join(sorted(PROFILES))} or "
+                 "empty (no profile)")
         choice(self, "task", TASKS, fail)
         choice(self, "launch", LAUNCH_TYPES, fail)
         at_least(self, ("num_actors", "max_steps", "threads_per_process"), 1, fail)
@@ -359,8 +369,12 @@ class EvalConfig(Section):
                              "always); 0: only those two.")
     eval_size: int = option(200, "Held-out prompts (dataset task: the first of --eval_files).")
     eval_pass_k: int = option(0, "Also report pass@k with k samples at --temperature; 0: off.")
+    evaluator: str = option("node", "Where held-out evaluation runs: node (a process of its "
+                            "own), in_learner (the learner's process, after it publishes a due "
+                            "version, while it waits) or off (none).")
 
     def check(self, fail: Fail) -> None:
+        choice(self, "evaluator", EVALUATORS, fail)
         if self.eval_every < 0:
             fail(f"eval_every={self.eval_every}: must be >= 0")
         at_least(self, ("eval_size",), 1, fail)

@@ -4,10 +4,13 @@ One step:
   1. draw the batch (the sampler drops and counts rollouts staler than max_staleness);
   2. `estimator.estimate(batch)`: advantages (SAO: critic values and skip-observation GAE);
   3. `policy.step(batch, advantages)`: the policy optimizer step(s), against the rollout
-     log-probs (DIS) or a recomputed old policy (PPO-clip, TIS, IcePop);
+     log-probs (DIS) or a recomputed old policy (PPO-clip, TIS, IcePop); with a shared-trunk
+     value head its value loss joins the policy loss here (`estimator.joint_loss`);
   4. `estimator.update(batch, estimate)`: the critic's K steps (SAO), nothing (GRPO);
   5. version += 1; publish the weights and report progress (admission credit) to the variable
-     server; log the step; checkpoint when due.
+     server; log the step (with the seconds of 2, 3, 4 and the publish); checkpoint when due;
+     then, with an in-process `evaluation` (evaluator=in_learner), evaluate the version when
+     due, while this loop waits.
 
 The version counts policy steps only. Before the first one the critic may train alone on the
 initial policy's rollouts: value pretraining (`pretrain_steps`, stopping early at
@@ -79,6 +82,10 @@ class Learner(core.Worker, core.VariableSource):
       keep_checkpoints: the newest kept (0: all).
       pad_id: the id padding batches.
       collective: the learner group.
+      evaluation: called as evaluation(version, weights) after version 0 is published and
+        after every step (rank 0), `weights()` giving the policy's sync state dict; it
+        evaluates when the version is due (actors/evaluator.InLearnerEvaluation) and returns
+        whether it did. None: evaluation is another node's (or off).
     """
 
     def __init__(self, policy: PolicyTrainer, estimator: AdvantageEstimator,
@@ -88,10 +95,16 @@ class Learner(core.Worker, core.VariableSource):
                  serialize: Optional[Callable[[dict], object]] = None, logger=None,
                  checkpoint_root: Optional[str] = None, tokenizer: Optional[core.Tokenizer] = None,
                  keep_checkpoints: int = 0, pad_id: int = 0,
-                 collective: distributed.Collective = distributed.SINGLE):
+                 collective: distributed.Collective = distributed.SINGLE,
+                 evaluation: Optional[Callable[[int, Callable[[], dict]], bool]] = None):
         if (pretrain_steps or warmup_steps) and not estimator.has_critic:
             raise ValueError(f"pretrain_steps={pretrain_steps}, warmup_steps={warmup_steps}: "
                              f"{type(estimator).__name__} has no critic to train alone")
+        if (pretrain_steps or warmup_steps) and getattr(estimator, "critic", None) is not None \
+                and estimator.critic.shares_trunk:
+            raise ValueError(f"pretrain_steps={pretrain_steps}, warmup_steps={warmup_steps}: a "
+                             "value head on the policy's trunk cannot train alone without "
+                             "moving the policy (critic=shared_trunk)")
         self.policy_trainer = policy
         self.estimator = estimator
         self.sampler = sampler
@@ -124,6 +137,8 @@ class Learner(core.Worker, core.VariableSource):
         self.checkpointed_version: Optional[int] = None
         self.loss_epoch = 0              # bumped when rollouts in transit may have been lost
         self._interruptions_seen = 0
+        self._evaluation = evaluation if main else None
+        self.in_learner_eval_s = 0.0     # seconds this loop spent evaluating (in_learner)
         sampler.on_drop = self._on_drop
 
     @property
@@ -150,13 +165,22 @@ class Learner(core.Worker, core.VariableSource):
         """Estimate, policy step (unless not train_policy), estimator update; statistics. Does
         not bump the version. The batch moves to the policy's device."""
         batch = batch.to(self.policy_trainer.device)
+        t0 = time.perf_counter()
         estimate = self.estimator.estimate(batch)
+        t1 = time.perf_counter()
         stats: Dict[str, float] = dict(estimate.stats)
         if train_policy:
             stats["policy_lr"] = self.policy_trainer.set_learning_rate(self.version,
                                                                        self.max_steps)
-            stats.update(self.policy_trainer.step(batch, estimate.advantages))
+            stats.update(self.policy_trainer.step(
+                batch, estimate.advantages, joint=self.estimator.joint_loss(batch, estimate)))
+        t2 = time.perf_counter()
         stats.update(self.estimator.update(batch, estimate))
+        t3 = time.perf_counter()
+        # Where the step's compute went (docs/METHOD.md section 11): the estimate (the critic's
+        # or shared head's values without gradient, GAE), the policy step (with a shared head
+        # its value loss too), the estimator's own update (the K critic steps).
+        stats.update({"estimate_s": t1 - t0, "policy_step_s": t2 - t1, "critic_step_s": t3 - t2})
         mask = batch.action_mask.bool()
         n, s = self.collective.sum([float(mask.sum()), float(estimate.advantages[mask].sum())])
         stats["advantage_mean"] = s / n if n else 0.0
@@ -313,8 +337,10 @@ class Learner(core.Worker, core.VariableSource):
         self.version += 1
         self.rollouts_trained += int(self.collective.sum([len(rollouts)])[0])
         self._share_consumed()
+        t_publish = time.perf_counter()
         self.publish()
         self.report_progress()
+        stats["publish_s"] = time.perf_counter() - t_publish
         elapsed = time.time() - t_start
         stats.update(self._batch_stats(batch, rollouts, trained_version))
         tokens = self.collective.sum([float(batch.attention_mask.sum())])[0]
@@ -322,6 +348,7 @@ class Learner(core.Worker, core.VariableSource):
             "step": self.version, "policy_version": self.version,
             "dropped_stale": self.collective_dropped(), "dropped_stale_step": dropped,
             "learner_wait_frac": waited / max(elapsed, 1e-9), "step_time_s": elapsed,
+            "wait_s": waited, "in_learner_eval_s": self.in_learner_eval_s,
             "samples_per_s": len(rollouts) * self.collective.world_size / max(elapsed, 1e-9),
             "tokens_per_s": tokens / max(elapsed, 1e-9),
             "queue_size": self.source.queue_size(), "rollouts_trained": self.rollouts_trained,
@@ -337,7 +364,17 @@ class Learner(core.Worker, core.VariableSource):
         self._log(stats)
         if self.checkpoint_every and self.version % self.checkpoint_every == 0:
             self.save_checkpoint()
+        self._evaluate()
         return stats
+
+    def _evaluate(self) -> None:
+        """The in-process evaluation of the current version, when there is one and it is due;
+        its seconds are counted (in_learner_eval_s of the next rows)."""
+        if self._evaluation is None:
+            return
+        t = time.perf_counter()
+        if self._evaluation(self.version, lambda: sync_state_dict(self.policy)):
+            self.in_learner_eval_s += time.perf_counter() - t
 
     def _integrity_counters(self) -> Dict[str, int]:
         """Group-wide counts of what the learner refused to train on: duplicates (keys already
@@ -379,6 +416,7 @@ class Learner(core.Worker, core.VariableSource):
         self._interruptions_seen = self.source.interruptions
         self.start_loss_epoch()   # a predecessor's rollouts in transit may be lost
         self.publish()   # version 0: the warm start (or the version resumed from)
+        self._evaluate()
         if not self.pretrain_done:
             if self.pretrain_steps:
                 self.pretrain_value()
@@ -389,6 +427,9 @@ class Learner(core.Worker, core.VariableSource):
             self.step()
         if self._checkpoint_root is not None and self.version > 0:
             self.save_checkpoint()
+        close = getattr(self._evaluation, "close", None)
+        if close is not None:
+            close()
         logging.info("learner finished at version %d (%d rollouts trained, %d dropped stale)",
                      self.version, self.rollouts_trained, self.dropped_stale)
 

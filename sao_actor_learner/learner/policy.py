@@ -28,7 +28,7 @@ activations and matmuls, fp32 master weights, gradients and optimizer state.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Protocol, Sequence
 
 import torch
 from absl import logging
@@ -67,6 +67,31 @@ def gather_rows(collective: distributed.Collective, tensors: Dict[str, torch.Ten
         padded = [torch.nn.functional.pad(p[key], (0, width - p[key].shape[1])) for p in parts]
         out[key] = torch.cat(padded, dim=0)
     return out
+
+
+class JointLoss(Protocol):
+    """A loss trained together with the policy loss on the policy's trunk (the shared-trunk
+    value head, learner/estimators.SharedTrunkGAE). Per policy optimizer step: `zero_grad`;
+    per micro-batch `loss(rows, micro, hidden, normalizer)` (rows: the micro-batch's rows in
+    the whole batch; hidden: the trunk's last hidden state, with gradient), added to the policy
+    loss before the one backward; then `reduce_and_clip()` sums its own parameters' gradients
+    over the group, clips them and returns [its loss total, its gradient norm] for the
+    finiteness check; then `step()`, or `skip()` when the step is skipped. `cached_forward(rows,
+    micro)` may hand back the (log-probs, hidden) of a forward already run on exactly `micro`
+    (with gradient), which the step then uses instead of its own."""
+
+    def zero_grad(self) -> None: ...
+
+    def cached_forward(self, rows: torch.Tensor, micro: Batch) -> Optional[tuple]: ...
+
+    def loss(self, rows: torch.Tensor, micro: Batch, hidden: torch.Tensor,
+             normalizer: float) -> torch.Tensor: ...
+
+    def reduce_and_clip(self) -> List[float]: ...
+
+    def step(self) -> None: ...
+
+    def skip(self) -> None: ...
 
 
 class PolicyTrainer:
@@ -114,23 +139,27 @@ class PolicyTrainer:
     def logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, T] float32 log pi_theta(x_t | x_<t) (position 0: 0), differentiable unless called
         under no_grad; one forward over the whole `batch`."""
+        return self.forward(batch)[0]
+
+    def forward(self, batch: Batch):
+        """(log-probs [B, T] as `logprobs`, the trunk's last hidden state [B, T, H]): one
+        forward of the policy's body, the hidden state as the LM head (and a shared value
+        head) read it."""
         cfg = self.config
         with autocast(cfg.dtype, self.device):
             head = self.policy.get_output_embeddings()
             weight = head.weight if self.token_limit is None else head.weight[:self.token_limit]
             targets = batch.tokens[:, 1:]
+            hidden = base_model_of(self.policy)(
+                input_ids=batch.tokens, attention_mask=batch.attention_mask).last_hidden_state
             if cfg.fused_logprobs and getattr(head, "bias", None) is None and self.top_p >= 1.0:
-                hidden = base_model_of(self.policy)(
-                    input_ids=batch.tokens, attention_mask=batch.attention_mask).last_hidden_state
                 h = hidden[:, :-1]
                 w = weight.to(h.dtype) if cfg.kernel_backend != "torch" else weight
                 picked = kernels.fused_logprobs(h, w, targets, temperature=self.temperature,
                                                 backend=cfg.kernel_backend).float()
             else:
-                hidden = base_model_of(self.policy)(
-                    input_ids=batch.tokens, attention_mask=batch.attention_mask).last_hidden_state
                 picked = self._nucleus_logprobs(hidden[:, :-1], head, weight, targets)
-        return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+        return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1), hidden
 
     def _nucleus_logprobs(self, hidden: torch.Tensor, head: torch.nn.Module,
                           weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -160,9 +189,12 @@ class PolicyTrainer:
 
     # The step ---------------------------------------------------------------------------------
     def step(self, batch: Batch, advantages: torch.Tensor,
-             old_logp: Optional[torch.Tensor] = None) -> Dict[str, float]:
+             old_logp: Optional[torch.Tensor] = None,
+             joint: Optional["JointLoss"] = None) -> Dict[str, float]:
         """Policy optimizer steps on `batch` (see the module docstring); returns whole-batch
-        statistics (those of config.policy_loss, plus policy_grad_norm)."""
+        statistics (those of config.policy_loss, plus policy_grad_norm). `joint`: a loss on the
+        trunk's hidden state added to every micro-batch's policy loss, whose own parameters
+        step with the policy (a shared-trunk value head; JointLoss)."""
         cfg = self.config
         self.policy.train()
         if cfg.policy_loss in losses.NEEDS_OLD_LOGP and old_logp is None:
@@ -172,7 +204,7 @@ class PolicyTrainer:
         norms: List[float] = []
         for rows in minibatches.row_splits(batch.size, cfg.policy_minibatches):
             mb = batch if len(rows) == batch.size else minibatches.select_rows(batch, rows)
-            norms.append(self._optimizer_step(mb, rows, advantages, old_logp, logp_all))
+            norms.append(self._optimizer_step(mb, rows, advantages, old_logp, logp_all, joint))
         stats = self.whole_batch_stats(batch, logp_all, advantages, old_logp)
         finite = [n for n in norms if n == n and n != float("inf")]
         stats["policy_grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
@@ -181,22 +213,28 @@ class PolicyTrainer:
         return stats
 
     def _optimizer_step(self, mb: Batch, rows: Sequence[int], advantages: torch.Tensor,
-                        old_logp: Optional[torch.Tensor], logp_all: torch.Tensor) -> float:
+                        old_logp: Optional[torch.Tensor], logp_all: torch.Tensor,
+                        joint: Optional["JointLoss"] = None) -> float:
         cfg = self.config
         rows_t = torch.as_tensor(rows, device=mb.tokens.device)
         adv, old = advantages[rows_t], None if old_logp is None else old_logp[rows_t]
         n_actions = self.collective.sum([float(mb.action_mask.sum())])[0]
         self.optimizer.zero_grad(set_to_none=True)
+        if joint is not None:
+            joint.zero_grad()
         loss_total, kept = 0.0, 0.0
         for micro_rows in minibatches.pack_by_tokens(mb.lengths.tolist(),
                                                      cfg.micro_batch_tokens):
             micro = minibatches.select_rows(mb, micro_rows, trim=True)
             width = micro.tokens.shape[1]
             m = torch.as_tensor(micro_rows, device=mb.tokens.device)
-            logp = self.logprobs(micro)
+            cached = None if joint is None else joint.cached_forward(rows_t[m], micro)
+            logp, hidden = cached if cached is not None else self.forward(micro)
             loss, s = self._loss(micro, logp, adv[m, :width],
                                  None if old is None else old[m, :width], n_actions)
-            loss.backward()
+            total = loss if joint is None else loss + joint.loss(rows_t[m], micro, hidden,
+                                                                 n_actions)
+            total.backward()
             loss_total += float(loss.detach())
             kept += s["num_kept_tokens"]
             logp_all[rows_t[m], :width] = logp.detach()
@@ -209,14 +247,21 @@ class PolicyTrainer:
                     p.grad.mul_(scale)
         norm = distributed.clip_grad_norm(self.params, cfg.max_grad_norm, self.collective)
         loss_total = self.collective.sum([loss_total])[0]
-        if not all(x == x and abs(x) != float("inf") for x in (norm, loss_total)):
+        checked = [norm, loss_total]
+        if joint is not None:
+            checked += joint.reduce_and_clip()
+        if not all(x == x and abs(x) != float("inf") for x in checked):
             self.nonfinite_skipped += 1
             self.optimizer.zero_grad(set_to_none=True)
+            if joint is not None:
+                joint.skip()
             logging.warning("policy step skipped: non-finite loss %s or gradient norm %s (%d "
                             "skipped so far); the weights are unchanged", loss_total, norm,
                             self.nonfinite_skipped)
             return norm
         self.optimizer.step()
+        if joint is not None:
+            joint.step()
         return norm
 
     def _loss(self, batch: Batch, logp: torch.Tensor, advantages: torch.Tensor,

@@ -8,6 +8,10 @@ regexes searched in the body's parameter names). The default patterns (`self_att
 name attention `layers.N.self_attn.{q,k,v,o}_proj` (Qwen3 adds `self_attn.{q,k}_norm`), norms
 `*_layernorm` and `norm`, and the MLP `mlp.*` (`mlp.experts.*` / `mlp.gate` in MoE layers).
 
+`ValueModel.sharing_trunk(policy)` is the other option (config `critic=shared_trunk`, not SAO):
+the value head on the policy's own body, the same module object, so one forward of the trunk
+gives the LM head's logits and the values (docs/METHOD.md section 6, the shared-trunk option).
+
 A critic directory (`ValueModel.save`) holds the body as a Hugging Face model (config.json +
 safetensors, loadable with AutoModel) and `value_head.safetensors`; `ValueModel.load` reads one,
 or builds a fresh critic (zero head) from a causal-LM directory.
@@ -44,6 +48,8 @@ class ValueModel(nn.Module):
     `values_for_tokens` to align them to token positions as the advantage functions expect.
     """
 
+    shares_trunk = False   # True: `body` is the policy's own body (sharing_trunk)
+
     def __init__(self, body: nn.Module, hidden_size: int):
         super().__init__()
         self.body = body
@@ -55,6 +61,17 @@ class ValueModel(nn.Module):
     def from_policy(cls, policy: nn.Module) -> "ValueModel":
         body = copy.deepcopy(base_model_of(policy))
         return cls(body, policy.config.hidden_size)
+
+    @classmethod
+    def sharing_trunk(cls, policy: nn.Module) -> "ValueModel":
+        """A zero value head on `policy`'s own body (not a copy): the body's parameters are the
+        policy's, trained by the policy's optimizer; only `head` belongs to the critic. The
+        head is on the device and in the dtype of the policy's LM head."""
+        critic = cls(base_model_of(policy), policy.config.hidden_size)
+        critic.shares_trunk = True
+        lm_head = policy.get_output_embeddings().weight
+        critic.head.to(device=lm_head.device, dtype=lm_head.dtype)
+        return critic
 
     @classmethod
     def load(cls, path: str, dtype: torch.dtype = torch.float32) -> "ValueModel":
