@@ -147,6 +147,8 @@ def test_a_file_in_use_is_never_rewritten_and_unlink_keeps_it_readable(server, p
         assert client.update_and_wait(timeout_s=20) == version
     assert writer.counters["reused"] == 2
     assert client.counters == {"shm_loads": 6}
+    # Only local clients: the server never copied a version (no second copy in its memory).
+    assert server.stats().get("shm_copied", 0) == 0 and server.latest().payload is None
     client.close()
 
 
@@ -357,9 +359,10 @@ def test_remote_fetch_streams_while_the_server_copies(server, publisher, monkeyp
     client = VariableClient(server.address, update_period_s=0.01, weight_transport="grpc",
                             fetch_chunk_bytes=1024)
     publisher.publish(0, ckpt.state_dict_to_buffers(_state_dict(0)))
-    assert halfway.wait(30)
+    assert server.stats().get("shm_copied", 0) == 0     # no copy until a gRPC client asks
     fetcher = threading.Thread(target=client.update_and_wait, kwargs={"timeout_s": 30})
     fetcher.start()
+    assert halfway.wait(30)
     assert client.version == -1 and server.latest().payload is None   # held at the half
     go.set()
     fetcher.join(30)

@@ -18,10 +18,10 @@ This process plays the learner. Each round, interleaved:
           the CRC-32 and decodes views of it. t1 = it holds the tensors.
   memcpy  the same payload bytes copied into a pre-touched buffer in this process (one
           memoryview assignment per buffer): the floor of any copy on one host.
-  remote  the same publish (the learner sits beside the server); the server copies the file
-          into its own memory in the background (CRC-checked); the remote actor polls, streams
-          the version over gRPC (FetchWeights waits for that copy), checks size and CRC-32 and
-          decodes. t1 = it holds the tensors.
+  remote  the same publish (the learner sits beside the server); the remote actor polls and
+          streams the version over gRPC: its FetchWeights starts the server's copy of the file
+          into its own memory (CRC-checked) and streams each chunk once copied; the actor checks
+          size and CRC-32 and decodes. t1 = it holds the tensors.
   raw     the same payload bytes over one loopback TCP connection to another process: sendall
           of an 8-byte length and the bytes; the receiver recv_into's a preallocated,
           pre-touched buffer (reused every round) and notes the time of the last byte. The floor
@@ -41,8 +41,9 @@ serialize / publish / held-after-publish splits, the local actor's shared-memory
 (every timed round must be a shm load) and the peak RSS (VmHWM) of each process. The first
 --warmup rounds are not timed: version 0 pins the validator's manifest, and by then the writer
 reuses its files, the actors their mappings and the server and clients their receive buffers,
-as all through a long run. After each publish the benchmark waits for the server's background
-copy before it times anything else. Ends with one JSON line of figures.
+as all through a long run. After each publish the benchmark waits for the server's copy
+(wait_copied starts it when no gRPC fetch did) before it times anything else. Ends with one
+JSON line of figures.
 
   OMP_NUM_THREADS=1 .venv/bin/python programs/benchmarks/weight_sync.py
 
@@ -158,7 +159,8 @@ def _peak_rss_mb() -> float:
 
 def _serve(conn, chunk_bytes: int, shm_dir: str) -> None:
     """Child: the variable server, configured as builder.make_variable_server does. Answers
-    ("copied", version) once it holds that version's bytes (its background copy)."""
+    ("copied", version) once it holds that version's bytes (its copy of a shared-memory
+    version, started then if no fetch started it)."""
     from sao_actor_learner.variables import SafetensorsValidator, VariableServer
     from sao_actor_learner.variables.shm import writer_root
     kwargs = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
@@ -552,7 +554,8 @@ def main(argv) -> None:
         cells = [f"{r[k + '_gbps']:.2f} ({r[k + '_gbps_min']:.2f}-{r[k + '_gbps_max']:.2f})"
                  for k in ("ours", "raw", "bare_grpc")]
         print(f"{r['size']:>6}{cells[0]:>19}{cells[1]:>19}{r['ratio']:>9.2f}"
-              f"{r['two_hop_ratio'] or float('nan'):>10.2f}{cells[2]:>19}{r['bare_grpc_ratio']:>9.2f}"
+              f"{r['two_hop_ratio'] or float('nan'):>10.2f}{cells[2]:>19}"
+              f"{r['bare_grpc_ratio']:>9.2f}"
               f"{r['bare_get_ratio']:>15.2f}{r['ours_s']:>8.3f}{r['publish_s']:>7.3f}"
               f"{r['server_peak_rss_mb']:>7.0f}{r['client_peak_rss_mb']:>7.0f}")
     ratios = [r["ratio"] for r in rows]

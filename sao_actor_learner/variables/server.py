@@ -194,6 +194,7 @@ class VariableServer(core.Worker):
         server = self._server
         if server is not None:
             server.stop(grace=grace_s).wait()
+        self._store.close()
         if self._shm_root is not None:
             for path in sweep_dead_runs(self._shm_root):
                 logging.info("VariableServer: removed %s, shared-memory versions of a writer "

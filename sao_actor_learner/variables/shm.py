@@ -5,8 +5,9 @@ own under /dev/shm; the variable server, told the file's path, size and CRC-32 (
 Publish), checks its header and makes the version visible; actors on the same host map the file
 instead of streaming it over gRPC. The server also reads the file into its own memory (in the
 background, CRC-checked) to serve FetchWeights, so remote actors, and local ones whose file is
-missing or corrupt, keep the gRPC path. docs/DESIGN.md, "Weight transport", says why each piece
-is there; docs/FACTS.md lists the Linux behaviours relied on.
+missing or corrupt, keep the gRPC path. docs/DESIGN.md, section 6 "Shared memory on one host",
+says why each piece is there; docs/FACTS.md, "Python and Linux", lists the Linux behaviours
+relied on.
 
 Files. `<root>/<run>-XXXXXX/` (0700) holds `owner` (pid and start time of the writing process)
 and one `v<version>.safetensors` per kept version. A version is written under
@@ -75,8 +76,8 @@ TMP_SUFFIX = ".tmp"
 # stays small (~1000 chunks per GB).
 COPY_CHUNK_BYTES = 1 << 20
 # From this size, and only with 4 or more CPUs, the writer's checks run in a helper thread behind
-# the copy. On the 2 shared cores of the development VM the thread made a write 10-30% slower
-# than checking each chunk inline right after its copy (docs/FACTS.md, ISA-L).
+# the copy. With fewer CPUs the thread only competes with the other processes for the same
+# cores, so each chunk is checked inline right after its copy.
 PIPELINE_MIN_BYTES = (8 << 20) if wire.MANY_CPUS else 1 << 62
 # A directory without an owner file this old is a writer that died while starting.
 _OWNERLESS_GRACE_S = 60.0

@@ -12,10 +12,12 @@ A shared-memory publish (shm.py) is one chunk naming a file on this host instead
 bytes: the store opens and locks the file, runs the validator's header checks
 (`validate_payload.layout_only` when it has one: the publisher checked finiteness while it
 wrote the file) and makes the version visible at once, with its path, for clients on this host
-to map. A helper thread then copies the file into a receive buffer and checks its CRC-32;
-FetchWeights of that version (remote clients, local ones whose file is gone or corrupt) waits
-for that copy. No sha256 is computed for such a version: its identity, for the republish check,
-is its size and CRC-32.
+to map. The first FetchWeights of that version (remote clients, local ones whose file is gone or
+corrupt) starts a helper thread that copies the file into a receive buffer and checks its
+CRC-32, and streams each chunk once the copy has passed it; until then the server holds only
+the open file, so with local actors only it never keeps a second copy of the weights. A version
+evicted before anyone fetched it over gRPC is never copied. No sha256 is computed for such a
+version: its identity, for the republish check, is its size and CRC-32.
 
 Weight bytes are copied once: chunk data is located in the raw request (wire.py) and copied
 into a receive buffer reused from an evicted version (buffers.py); fetched chunks are framed
@@ -110,11 +112,14 @@ class _Sha256Behind:
 
 
 class _ShmCopy:
-    """The server's copy of a shared-memory version while it is made: how far it got, and its
-    error once it failed. FetchWeights streams what is copied (`wait_for`)."""
+    """The server's copy of a shared-memory version: the open, locked file until a gRPC client
+    first needs the bytes, then how far the copy got, and its error once it failed.
+    FetchWeights streams what is copied (`wait_for`)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, source: ShmSource):
         self.size = size
+        self.source = source
+        self.started = False     # set, under the store's lock, by the one who starts the copy
         self.buf: Optional[bytearray] = None
         self.copied = 0
         self.error = ""
@@ -368,7 +373,9 @@ class VersionStore:
             evicted = self._versions[0]
             if evicted.payload is not None:
                 self.buffers.give(evicted.payload.obj)
-            self._copies.pop(evicted.version, None)
+            copy = self._copies.pop(evicted.version, None)
+            if copy is not None and not copy.started:
+                copy.source.close()               # never fetched over gRPC: never copied
         self._versions.append(record)
         self.counters["published"] += 1
 
@@ -427,18 +434,25 @@ class VersionStore:
                 if current is None:
                     self._append_locked(record)            # the atomic swap
                     self.counters["shm_published"] += 1
-                    copy = self._copies[version] = _ShmCopy(size)
+                    self._copies[version] = _ShmCopy(size, source)   # copied on demand
         except BaseException:
             source.close()
             raise
         if current is not None:
             source.close()
             return current, True
-        threading.Thread(target=self._copy_shm, args=(record, source, copy), daemon=True,
-                         name=f"variable-server-shm-copy-{version}").start()
         logging.info("VariableServer: published version %d (%d bytes) from shared memory %s "
                      "in %.3f s", version, size, chunk.shm_path, time.monotonic() - start)
         return record, False
+
+    def _start_copy_locked(self, record: PublishedVersion, copy: "_ShmCopy") -> None:
+        """Starts the server's copy of a shared-memory version unless it runs already (the
+        first FetchWeights of it, or wait_copied). Needs the lock."""
+        if copy.started:
+            return
+        copy.started = True
+        threading.Thread(target=self._copy_shm, args=(record, copy.source, copy), daemon=True,
+                         name=f"variable-server-shm-copy-{record.version}").start()
 
     def _copy_shm(self, record: PublishedVersion, source: ShmSource, copy: "_ShmCopy") -> None:
         """The server's own copy of a shared-memory version (what FetchWeights streams, as the
@@ -471,15 +485,29 @@ class VersionStore:
             source.close()
 
     def wait_copied(self, version: int, timeout_s: float = SHM_COPY_TIMEOUT_S) -> bool:
-        """Waits until `version` has its bytes on the server (at once for a gRPC publish);
-        False when it is not held or its copy failed or timed out."""
+        """Waits until `version` has its bytes on the server (at once for a gRPC publish; a
+        shared-memory one's copy is started if no fetch started it); False when it is not held
+        or its copy failed or timed out."""
         with self._lock:
             copy = self._copies.get(version)
+            record = next((v for v in self._versions if v.version == version), None)
+            if copy is not None and record is not None:
+                self._start_copy_locked(record, copy)
         if copy is not None and not copy.wait_done(timeout_s):
             return False
         with self._lock:
             record = next((v for v in self._versions if v.version == version), None)
             return record is not None and record.payload is not None
+
+    def close(self) -> None:
+        """Lets go of the shared-memory files of versions never copied (the writer may then
+        reuse or remove them)."""
+        with self._lock:
+            for copy in self._copies.values():
+                if not copy.started:
+                    copy.source.close()
+                    copy.started = True
+                    copy.finish("the server stopped")
 
     # ------------------------------------------------------------------ FetchWeights
 
@@ -504,6 +532,8 @@ class VersionStore:
                                 f"versions {held}; ask for version=-1 (the newest)")
             self.counters["fetches"] += 1
             copy = self._copies.get(record.version) if record.payload is None else None
+            if copy is not None and not copy.error:
+                self._start_copy_locked(record, copy)
         chunk_bytes = max(MIN_FETCH_CHUNK_BYTES, chunk_bytes)
         if record.payload is not None:
             return self._frames(record, record.payload, chunk_bytes)

@@ -28,8 +28,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     from zlib import crc32
     crc32_combine = None
 
-# Work is split across threads only with 4 or more CPUs: on the 2 shared cores of the development
-# VM a second thread saved nothing (docs/FACTS.md, ISA-L).
+# Work is split across threads only with 4 or more CPUs: with fewer, a second thread competes
+# with the learner's, server's and actors' own threads for the same cores.
 try:
     MANY_CPUS = len(os.sched_getaffinity(0)) >= 4
 except (AttributeError, OSError):  # pragma: no cover - not Linux
