@@ -64,6 +64,8 @@ def test_weight_sync_benchmark_smoke():
         # refuses to go on otherwise); the server saw every shm publish as one.
         assert row["local_client_counters"] == {"shm_loads": 2}
         assert row["server_shm_published"] >= 2 * 3
+        writer = row["shm_writer_counters"]
+        assert writer["written"] == writer["created"] + writer.get("reused", 0) >= 2 * 3
         for rss in ("server_peak_rss_mb", "client_peak_rss_mb", "local_client_peak_rss_mb",
                     "raw_receiver_peak_rss_mb", "bare_grpc_server_peak_rss_mb"):
             assert 10 < row[rss] < 8000, (rss, row[rss])

@@ -456,6 +456,8 @@ def measure_size(label: str, num_params: int, ctx) -> Dict:
                                         figures[1:]):
                         split[f"{path}_{k}"].append(value)
     finally:
+        writer = shm_publisher.shm_writer
+        writer_counters = dict(writer.counters) if writer is not None else {}
         shm_publisher.close()
         grpc_publisher.close()
         bare_channel.close()
@@ -505,6 +507,8 @@ def measure_size(label: str, num_params: int, ctx) -> Dict:
         "held_after_publish_s": statistics.median(split["ours_held_after_publish_s"]),
         **{k: statistics.median(v) for k, v in split.items() if v},
         "local_client_counters": local_counters,
+        # created + reused = written; held_by_reader: a file still in use, so a fresh one
+        "shm_writer_counters": writer_counters,
         "server_shm_published": server_stats.get("shm_published", 0),
         "server_peak_rss_mb": server_rss, "client_peak_rss_mb": rss["client"],
         "local_client_peak_rss_mb": rss["local_client"],
