@@ -293,7 +293,8 @@ class VariableClient(LazyChannel, core.VariableSource):
             return payload
         if why == "missing" and self.weight_transport == "auto" and \
                 not os.path.isdir(directory):
-            # Another host (or container) than the publisher's: gRPC for that run, quietly.
+            # Another host (or container) than the publisher's, or a writer that has closed:
+            # gRPC for that directory from now on, quietly.
             self._not_here.add(directory)
             self.counters["shm_not_here"] += 1
             logging.info("VariableClient: %s is not on this host; fetching over gRPC",
