@@ -146,6 +146,21 @@ def _variables_client_security(config: SAOConfig, auth_token: str) -> dict:
     return {"auth_token": auth_token, "tls_root_cert": cert}
 
 
+def _server_keep_versions(config: SAOConfig) -> int:
+    """Versions the variable server keeps fetchable by number."""
+    return config.forced_staleness + 2 if config.forced_staleness >= 0 else 2
+
+
+def _publisher_shm(config: SAOConfig, run_dir: str) -> dict:
+    """VariablePublisher keyword arguments for shared-memory publishes (none with
+    weight_transport=grpc). The writer keeps one file more than the server keeps versions, so
+    every version the server can still name has its file."""
+    if config.weight_transport == "grpc":
+        return {}
+    return {"shm_dir": config.weight_shm_dir, "shm_run_name": os.path.basename(
+        os.path.normpath(run_dir)) or "run", "shm_keep_versions": _server_keep_versions(config) + 1}
+
+
 def variables_state_dir(run_dir: str) -> str:
     """Where the variable server keeps its admission counters and progress (a restart resumes
     them, so the staleness bound holds across it)."""
@@ -155,6 +170,7 @@ def variables_state_dir(run_dir: str) -> str:
 def make_variable_server(config: SAOConfig, publisher_token: str, port: int = 0,
                          auth_token: str = "", run_dir: Optional[str] = None):
     from sao_actor_learner.variables import SafetensorsValidator, VariableServer
+    from sao_actor_learner.variables.shm import writer_root
     forced = config.forced_staleness >= 0
     # Forced staleness k: admission lets actors start exactly one batch per version (eta 0), and
     # the server keeps the k older versions they generate with. It binds config.bind_host
@@ -162,11 +178,13 @@ def make_variable_server(config: SAOConfig, publisher_token: str, port: int = 0,
     # checked (names, dtypes, shapes pinned by version 0, finite values) before any client can
     # fetch it.
     cert, key = _tls_files(config)
+    # Shared-memory publishes may name files in the learner's writer directory only.
+    shm_root = None if config.weight_transport == "grpc" else writer_root(config.weight_shm_dir)
     return VariableServer(port=port, batch_size=config.batch_size,
                           max_staleness=0 if forced else config.max_staleness,
                           admission_control=config.admission_control,
                           publisher_token=publisher_token,
-                          keep_versions=config.forced_staleness + 2 if forced else 2,
+                          keep_versions=_server_keep_versions(config), shm_root=shm_root,
                           host=config.bind_host, auth_token=auth_token,
                           tls_cert_chain=cert, tls_private_key=key,
                           validate_payload=SafetensorsValidator(),
@@ -343,7 +361,8 @@ def _build_learner(config: SAOConfig, replay_address: str, variables_address: st
         source=resume.reader(lambda on_fetched: _learner_reader(
             config, replay_address, on_fetched, rollout_secret, tokenizer.vocab_size)),
         publisher=VariablePublisher(variables_address, publisher_token,
-                                    **_variables_client_security(config, auth_token))
+                                    **_variables_client_security(config, auth_token),
+                                    **_publisher_shm(config, run_dir))
         if collective.is_main else None,
         serialize=ckpt.state_dict_to_buffers,   # streamed without a joined copy
         logger=MetricsLogger(run_dir, "learner") if collective.is_main else None,
@@ -455,6 +474,7 @@ def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_
     return Actor(
         actor_id, task, engine,
         variables=VariableClient(variables_address, config.variable_update_period_s,
+                                 weight_transport=config.weight_transport,
                                  **_variables_client_security(config, auth_token)),
         sink=RolloutWriter(replay_address, max_sequence_length=config.max_sequence_length,
                            vocab_size=engine.tokenizer.vocab_size, signer=signer),
@@ -482,6 +502,7 @@ def make_evaluator(config: SAOConfig, variables_address: str, run_dir: Optional[
     return _evaluator(config, run_dir,
                       variables=VariableClient(variables_address,
                                                config.variable_update_period_s,
+                                               weight_transport=config.weight_transport,
                                                **_variables_client_security(config, auth_token)),
                       decode=ckpt.bytes_to_state_dict_views)  # no copy
 

@@ -58,6 +58,14 @@ def test_local_mp_run_with_admission_control(warm_start, tmp_path):
     assert summary["rollouts_inserted"] >= summary["rollouts_trained"]
     assert os.listdir(os.path.join(config.run_dir, "tb"))
     assert os.path.exists(os.path.join(config.run_dir, "checkpoints", "step_000006", "config.json"))
+    # Actors on the learner's host map versions from shared memory: the first load of any actor
+    # happens while the learner waits for rollouts, so its file is there. (An actor that starts
+    # after the learner finished finds the directory gone and fetches over gRPC.)
+    transports = []
+    for i in range(config.num_actors):
+        with open(os.path.join(config.run_dir, f"actor_{i}_stats.json")) as f:
+            transports.append(json.load(f)["weight_transport_counters"])
+    assert sum(t.get("shm_loads", 0) for t in transports) >= 1, transports
 
 
 def test_staleness_limit_drops_and_counts_without_admission_control(warm_start, tmp_path):
@@ -85,6 +93,7 @@ def test_local_mt_runs_the_same_program_in_threads(warm_start, tmp_path):
     ("--eps_low=1.5", "eps_low=1.5"),
     ("--launch=cluster", "launch='cluster'"),
     ("--weight_sync_mode=pause", "weight_sync_mode='pause'"),
+    ("--weight_transport=tcp", "weight_transport='tcp': must be one of auto, grpc, shm"),
     ("--vllm_weight_sync_mode=abort", "--vllm_weight_sync_mode was renamed --weight_sync_mode"),
 ])
 def test_invalid_config_fails_before_launch(tmp_path, flag, message):

@@ -102,6 +102,9 @@ def test_a_version_published_mid_generation_reaches_the_rollouts_in_flight(
     with open(tmp_path / "spool" / "stats.json") as f:
         stats = json.load(f)
     assert stats["engine_counters"] == counters
+    # The fixture's publisher streams (no shared memory): every version came over gRPC.
+    transport = stats["weight_transport_counters"]
+    assert transport.get("grpc_loads", 0) >= 1 and transport.get("shm_loads", 0) == 0
     assert stats["weight_sync_mode"] == mode
     if mode == "off":
         assert actor.counters["weights_offered"] == 0 and counters["sequences_switched"] == 0

@@ -332,6 +332,8 @@ class Actor(core.Worker):
                 "rejected": self._spool.refused, "env_counters": dict(self.env_counters),
                 "weight_sync_mode": self._engine.weight_sync_mode if self._feeding else "off",
                 "engine_counters": self._engine.weight_sync_counters(),
+                # how versions arrived: shm_loads, grpc_loads, shm_fallback_<why> (client.py)
+                "weight_transport_counters": dict(getattr(self._variables, "counters", {})),
                 "time": time.time()})
 
     def run(self) -> None:

@@ -29,6 +29,8 @@ POLICY_LOSSES = ("dis", "ppo_clip", "tis", "icepop", "none")
 ALGORITHMS = ("sao", "grpo", "critic_free")
 CRITIC_FREE_BASELINES = ("running_mean", "per_prompt")
 ACTOR_DELAYS = ("none", "fixed", "uniform", "heavy_tailed")
+# How weights reach actors (variables/client.WEIGHT_TRANSPORTS; no import of it here).
+WEIGHT_TRANSPORTS = ("auto", "grpc", "shm")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 DTYPES = ("float32", "bfloat16")
 LEARNER_STRATEGIES = ("ddp", "fsdp2")
@@ -204,6 +206,12 @@ class ActorConfig(Section):
     max_new_tokens: int = option(0, "Tokens a model turn may generate; 0: the task's default.")
     variable_update_period_s: float = option(0.05, "How often actors poll the variable server "
                                              "for a new version.")
+    weight_transport: str = option(
+        "auto", "How weights reach actors: auto (the learner writes each version once into "
+        "shared memory, actors on its host map it, the rest fetch over gRPC), shm (actors "
+        "always try shared memory first) or grpc (gRPC only).")
+    weight_shm_dir: str = option("/dev/shm", "The tmpfs directory shared-memory versions go "
+                                 "under (weight_transport auto or shm).")
     group_size: int = option(1, "G rollouts per prompt, inserted as a group (GRPO); 1 is "
                              "single-rollout.")
     actor_delay: str = option("none", "An injected per-rollout delay: none, fixed, uniform or "
@@ -237,6 +245,10 @@ class ActorConfig(Section):
         if self.variable_update_period_s <= 0:
             fail(f"variable_update_period_s={self.variable_update_period_s}: must be > 0")
         choice(self, "actor_delay", ACTOR_DELAYS, fail)
+        choice(self, "weight_transport", WEIGHT_TRANSPORTS, fail)
+        if self.weight_transport != "grpc" and not os.path.isabs(self.weight_shm_dir):
+            fail(f"weight_shm_dir={self.weight_shm_dir!r}: must be an absolute path (a tmpfs "
+                 "such as /dev/shm), or set weight_transport=grpc")
         G = self.group_size
         if G < 1:
             fail(f"group_size={G}: must be >= 1 (rollouts per prompt; 1 is single-rollout)")

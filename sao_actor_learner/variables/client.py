@@ -15,11 +15,20 @@ Weight bytes are copied once, gRPC's own copies aside: chunk data is located in 
 bytes without protobuf's two copies (wire.py); a fetched version is assembled into the buffer
 of a version the client dropped once nothing references that any more (buffers.py), and
 checked against the server's CRC-32 (its sha256 when a server sends no CRC).
+
+Weight transport (`weight_transport`): when the server names a version's shared-memory file
+(the learner published it that way on the server's host), a client on that host maps the file
+instead of fetching it (shm.ShmReader: no copy, the CRC-32 checked first); "auto" does so when
+the file's directory exists here, "shm" always tries, "grpc" never. A missing, replaced or
+corrupt file falls back to FetchWeights and is counted in `counters` (shm_fallbacks and
+shm_fallback_<why>), as are shm_loads and grpc_loads.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
+import os
 import threading
 import time
 from typing import Any, Callable, Optional, Tuple
@@ -36,6 +45,9 @@ from sao_actor_learner.variables.channel import (DEFAULT_MAX_MESSAGE_BYTES, RETR
                                                  describe)
 from sao_actor_learner.variables.publisher import ProgressResult, VariablePublisher
 from sao_actor_learner.variables.security import PUBLISHER_TOKEN_METADATA_KEY
+from sao_actor_learner.variables.shm_reader import ShmReader
+
+WEIGHT_TRANSPORTS = ("auto", "grpc", "shm")
 
 __all__ = ["AckInfo", "AdmitResult", "ProgressResult", "PUBLISHER_TOKEN_METADATA_KEY",
            "PublishError", "VariableClient", "VariableClientError", "VariablePublisher",
@@ -93,17 +105,24 @@ class VariableClient(LazyChannel, core.VariableSource):
       max_backoff_s: longest pause between polls while the server is unreachable.
       max_message_bytes: gRPC message limit on this side.
       auth_token, tls_root_cert, tls_server_name: see security.py ("", None: off).
+      weight_transport: "auto", "shm" or "grpc" (see the module doc). With shared memory, the
+        params of a version are a numpy uint8 array over the mapped file (copy-on-write: writes
+        stay in this process); its file is not reused while anything references it.
     """
 
     _PICKLED_FIELDS = ("address", "update_period_s", "decode", "fetch_chunk_bytes",
                        "rpc_timeout_s", "max_backoff_s", "max_message_bytes", "auth_token",
-                       "tls_root_cert", "tls_server_name")
+                       "tls_root_cert", "tls_server_name", "weight_transport")
 
     def __init__(self, address: str, update_period_s: float = 0.05,
                  decode: Optional[Callable[[bytes], Any]] = None, fetch_chunk_bytes: int = 0,
                  rpc_timeout_s: float = 60.0, max_backoff_s: float = 2.0,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, auth_token: str = "",
-                 tls_root_cert: Optional[bytes] = None, tls_server_name: str = ""):
+                 tls_root_cert: Optional[bytes] = None, tls_server_name: str = "",
+                 weight_transport: str = "auto"):
+        if weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight_transport={weight_transport!r}: must be one of "
+                             f"{', '.join(WEIGHT_TRANSPORTS)}")
         if update_period_s <= 0:
             raise ValueError(f"update_period_s={update_period_s}: must be > 0")
         if fetch_chunk_bytes < 0:
@@ -132,6 +151,10 @@ class VariableClient(LazyChannel, core.VariableSource):
         self._thread: Optional[threading.Thread] = None
         self._warned_older = -1
         self.last_error: Optional[str] = None   # the latest background failure (None: none yet)
+        self.weight_transport = weight_transport
+        self._shm = ShmReader() if weight_transport != "grpc" else None
+        self._not_here: set = set()             # shared-memory directories absent on this host
+        self.counters = collections.Counter()   # shm_loads, grpc_loads, shm_fallback_<why>, ...
 
     @property
     def max_message_bytes(self) -> int:
@@ -226,8 +249,16 @@ class VariableClient(LazyChannel, core.VariableSource):
                                     "the held %d (server restarted?); keeping %d until a newer "
                                     "one is published", self._address, info.version, current,
                                     current)
+                if self._shm is not None:
+                    self._shm.release_unused()
                 return False
-            version, payload, sha256 = self._fetch(wait_for_ready, deadline)
+            payload = self._load_shm(info)
+            if payload is not None:
+                version, sha256 = info.version, info.sha256
+                self.counters["shm_loads"] += 1
+            else:
+                version, payload, sha256 = self._fetch(wait_for_ready, deadline)
+                self.counters["grpc_loads"] += 1
             params = self.decode(payload) if self.decode is not None else payload
             with self._state_lock:
                 if version <= self._version:
@@ -236,14 +267,46 @@ class VariableClient(LazyChannel, core.VariableSource):
                 previous = self._payload
                 self._version, self._params, self._sha256 = version, params, sha256
                 self._payload = payload
-            # Reused for a later version once nothing references it (buffers.py).
+            # Reused for a later version once nothing references it (buffers.py); a shared-
+            # memory file, once nothing references its version (shm.py).
             self._buffers.give(previous)
+            size = len(payload)
+            del previous, params, payload      # so that release_unused sees only others' refs
+            if self._shm is not None:
+                self._shm.release_unused()
             logging.log_every_n_seconds(logging.INFO, "VariableClient: now at version %d "
-                                        "(%d bytes) from %s", 10, version, len(payload),
-                                        self._address)
+                                        "(%d bytes) from %s", 10, version, size, self._address)
             return True
         finally:
             self._fetch_lock.release()
+
+    def _load_shm(self, info) -> Optional[Any]:
+        """The payload of `info`'s version from its shared-memory file, or None (use gRPC)."""
+        path = info.shm_path
+        if self._shm is None or not path or not info.HasField("crc32"):
+            return None
+        directory = os.path.dirname(path)
+        if directory in self._not_here:
+            return None
+        payload, why = self._shm.load(path, info.num_bytes, info.crc32)
+        if payload is not None:
+            return payload
+        if why == "missing" and self.weight_transport == "auto" and \
+                not os.path.isdir(directory):
+            # Another host (or container) than the publisher's, or a writer that has closed:
+            # gRPC for that directory from now on, quietly.
+            self._not_here.add(directory)
+            self.counters["shm_not_here"] += 1
+            logging.info("VariableClient: %s is not on this host; fetching over gRPC",
+                         directory)
+            return None
+        self.counters["shm_fallbacks"] += 1
+        self.counters[f"shm_fallback_{why}"] += 1
+        logging.log_every_n_seconds(logging.WARNING, "VariableClient: version %d from shared "
+                                    "memory %s: %s; fetching it over gRPC (%d times so far)",
+                                    10, info.version, path, why,
+                                    self.counters["shm_fallbacks"])
+        return None
 
     def _fetch(self, wait_for_ready: bool, deadline: float,
                version: int = -1) -> Tuple[int, bytearray, str]:
@@ -421,3 +484,5 @@ class VariableClient(LazyChannel, core.VariableSource):
         """Closes the channel (cancelling a background fetch); the client is unusable after."""
         self._close_channel()
         self._join_background(1.0)
+        if self._shm is not None:
+            self._shm.close()

@@ -5,12 +5,19 @@
 around slices of the payload (one copy, into the bytes gRPC sends) with its CRC-32.
 `report_progress` sends the learner's cumulative progress (progress.py): the admission credit
 and the rollouts it consumed for good, without re-sending any weights.
+
+With `shm_dir`, a version is instead written once into a shared-memory file (shm.ShmWriter:
+one copy, its CRC-32 and the finiteness check on the way) and announced in a one-message
+Publish; clients on this host map the file, the server copies it for remote clients. When that
+fails (the server is on another host or older, no room in /dev/shm), the version is streamed as
+above, and so is every later one.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
-from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 from absl import logging
@@ -20,7 +27,8 @@ from sao_actor_learner.variables import wire
 from sao_actor_learner.variables.channel import (DEFAULT_MAX_MESSAGE_BYTES, SERVICE,
                                                  LazyChannel, PublishError, describe)
 from sao_actor_learner.variables.progress import make_progress
-from sao_actor_learner.variables.security import PUBLISHER_TOKEN_METADATA_KEY
+from sao_actor_learner.variables.security import PUBLISHER_TOKEN_METADATA_KEY, PayloadRejected
+from sao_actor_learner.variables.shm import ShmUnavailable, ShmWriter, writer_root
 
 Payload = Union[bytes, bytearray, memoryview]
 # One buffer, or several streamed back to back as one payload (e.g. a safetensors header and
@@ -51,23 +59,43 @@ class VariablePublisher(LazyChannel):
       format: payload format recorded with each version, e.g. "safetensors".
       max_message_bytes: gRPC message limit on this side.
       auth_token, tls_root_cert, tls_server_name: see security.py ("", None: off).
+      shm_dir: publish through shared memory under this directory (e.g. /dev/shm; the writer
+        makes its run directory in shm.writer_root(shm_dir)); "" streams every version.
+      shm_keep_versions: versions whose files stay readable (shm.ShmWriter's keep).
+      shm_run_name: the start of the run directory's name.
     """
 
     _PICKLED_FIELDS = ("address", "publisher_token", "chunk_bytes", "format",
-                       "max_message_bytes", "auth_token", "tls_root_cert", "tls_server_name")
+                       "max_message_bytes", "auth_token", "tls_root_cert", "tls_server_name",
+                       "shm_dir", "shm_keep_versions", "shm_run_name")
 
     def __init__(self, address: str, publisher_token: str, chunk_bytes: int = 1 << 20,
                  format: str = "safetensors",  # noqa: A002 - the proto field's name
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, auth_token: str = "",
-                 tls_root_cert: Optional[bytes] = None, tls_server_name: str = ""):
+                 tls_root_cert: Optional[bytes] = None, tls_server_name: str = "",
+                 shm_dir: str = "", shm_keep_versions: int = 3, shm_run_name: str = "run"):
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes={chunk_bytes}: must be >= 1")
+        if shm_keep_versions < 2:
+            raise ValueError(f"shm_keep_versions={shm_keep_versions}: must be >= 2")
         self._init_channel(address, max_message_bytes, auth_token, tls_root_cert,
                            tls_server_name)
         self.publisher_token = publisher_token
         self.chunk_bytes = chunk_bytes
         self.format = format
         self.retries = 0   # publishes sent again after a broken stream
+        self.shm_dir = shm_dir
+        self.shm_keep_versions = shm_keep_versions
+        self.shm_run_name = shm_run_name
+        self._shm_writer: Optional[ShmWriter] = None   # made at the first publish, per process
+        self._shm_off = not shm_dir
+        # shm_publishes, grpc_publishes, shm_unavailable (streamed instead), shm_refused
+        self.counters = collections.Counter()
+
+    @property
+    def shm_writer(self) -> Optional[ShmWriter]:
+        """The shared-memory writer once made (None before the first publish, or without)."""
+        return self._shm_writer
 
     @property
     def max_message_bytes(self) -> int:
@@ -130,9 +158,27 @@ class VariablePublisher(LazyChannel):
             raise TypeError(f"publish payload: {e}; pass bytes, a bytearray, a memoryview or a "
                             "list of them") from None
         total = sum(v.nbytes for v in views)
-        metadata = self._metadata()
         start = time.monotonic()
-        deadline = start + timeout_s
+        if not self._shm_off and self._publish_shm(version, views, total, dropped_total,
+                                                   timeout_s):
+            logging.info("Published version %d (%d bytes) to %s through shared memory in "
+                         "%.3f s", version, total, self._address, time.monotonic() - start)
+            return version
+        self._call_publish(version, lambda: self._chunks(version, views, total, dropped_total),
+                           total, timeout_s)
+        self.counters["grpc_publishes"] += 1
+        logging.info("Published version %d (%d bytes) to %s in %.3f s", version, total,
+                     self._address, time.monotonic() - start)
+        return version
+
+    def _call_publish(self, version: int, messages: Callable[[], Iterator[bytes]], total: int,
+                      timeout_s: float) -> None:
+        """Publish streams of `messages()` until one completes; PublishError naming the cause.
+
+        Publishes again while a stream breaks (UNAVAILABLE: the server was killed or restarted
+        mid-publish, or the network) until `timeout_s` has passed. Idempotent: a server that
+        already holds this version accepts the same payload again (store.py)."""
+        deadline = time.monotonic() + timeout_s
         attempt = 0
         while True:
             attempt += 1
@@ -140,15 +186,11 @@ class VariablePublisher(LazyChannel):
                 f"{SERVICE}/Publish", request_serializer=None,
                 response_deserializer=variables_pb2.PublishReply.FromString)
             try:
-                reply = call(self._chunks(version, views, total, dropped_total),
-                             timeout=max(0.001, deadline - time.monotonic()),
-                             metadata=metadata, wait_for_ready=True)
+                reply = call(messages(), timeout=max(0.001, deadline - time.monotonic()),
+                             metadata=self._metadata(), wait_for_ready=True)
                 break
             except grpc.RpcError as e:
                 code = e.code()
-                # The stream broke (the server was killed or restarted mid-publish, or the
-                # network): publish again until the deadline. Idempotent: a server that already
-                # holds this version accepts the same payload again (store.py).
                 if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
                     self.retries += 1
                     logging.warning("publish of version %d to %s broke (%s); retrying (attempt "
@@ -168,9 +210,42 @@ class VariablePublisher(LazyChannel):
             raise PublishError(f"publish of version {version} ({total} bytes): the server "
                                f"acknowledged version {reply.version} with {reply.num_bytes} "
                                "bytes")
-        logging.info("Published version %d (%d bytes) to %s in %.3f s", version, total,
-                     self._address, time.monotonic() - start)
-        return reply.version
+
+    def _publish_shm(self, version: int, views: List[memoryview], total: int,
+                     dropped_total: int, timeout_s: float) -> bool:
+        """Writes the version into shared memory and announces it; False when it must be
+        streamed instead (shared memory unusable here, or refused by the server)."""
+        try:
+            if self._shm_writer is None:
+                self._shm_writer = ShmWriter(writer_root(self.shm_dir), self.shm_run_name,
+                                             self.shm_keep_versions)
+            written = self._shm_writer.write(version, views)
+        except PayloadRejected as e:
+            raise PublishError(f"publish of version {version} ({total} bytes): {e}",
+                               grpc.StatusCode.INVALID_ARGUMENT) from None
+        except (ShmUnavailable, OSError) as e:   # no room (a container's small /dev/shm), ...
+            self._shm_off = True
+            self.counters["shm_unavailable"] += 1
+            logging.warning("VariablePublisher: shared memory under %s unusable (%s); "
+                            "streaming every version over gRPC from now on", self.shm_dir, e)
+            return False
+        head = variables_pb2.PublishChunk(version=version, total_bytes=total, format=self.format,
+                                          dropped_total=dropped_total, crc32=written.crc32,
+                                          last=True, shm_path=written.path)
+        try:
+            self._call_publish(version, lambda: iter((head.SerializeToString(),)), total, timeout_s)
+        except PublishError as e:
+            if e.code not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT):
+                raise
+            # Another host, an older server (INVALID_ARGUMENT: it sees no bytes) or a path it
+            # does not allow: stream from now on. A payload it refuses is refused again there.
+            self._shm_off = True
+            self.counters["shm_refused"] += 1
+            logging.warning("VariablePublisher: the server refused a shared-memory publish "
+                            "(%s); streaming every version over gRPC from now on", e)
+            return False
+        self.counters["shm_publishes"] += 1
+        return True
 
     def _metadata(self):
         return ((PUBLISHER_TOKEN_METADATA_KEY, self.publisher_token),) \
@@ -207,5 +282,8 @@ class VariablePublisher(LazyChannel):
                               reply.version)
 
     def close(self) -> None:
-        """Closes the channel; the publisher cannot be used afterwards."""
+        """Closes the channel and removes the shared-memory files; the publisher cannot be used
+        afterwards."""
         self._close_channel()
+        if self._shm_writer is not None:
+            self._shm_writer.close()

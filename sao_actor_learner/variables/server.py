@@ -1,6 +1,7 @@
 """The variable server: a gRPC node holding the newest policy versions and admission control.
 
-The learner publishes each policy version in chunks (`Publish`, store.py) and reports its
+The learner publishes each policy version in chunks (`Publish`, store.py), or, on this host,
+as a file in shared memory that clients here map instead of fetching it (shm.py), and reports its
 progress (`ReportProgress`: admission credit, rollouts consumed for good; progress.py); actors
 and evaluators poll `LatestVersion`, stream `FetchWeights`, ask `Admit` before starting
 rollouts (admission.py, AReaL's staleness rule) and ask `Acknowledged` which of their spooled
@@ -34,6 +35,8 @@ from sao_actor_learner.variables.admission import Admission
 from sao_actor_learner.variables.progress import MAX_ACKS, Progress, make_progress
 from sao_actor_learner.variables.rpc import Abort, check_auth, check_publisher, parse, serve
 from sao_actor_learner.variables.security import PUBLISHER_TOKEN_METADATA_KEY, check_bind
+from sao_actor_learner.variables.shm import (DEFAULT_SHM_DIR, remove_if_empty, sweep_dead_runs,
+                                             writer_root)
 from sao_actor_learner.variables.state_file import StateFile
 from sao_actor_learner.variables.store import (MIN_FETCH_CHUNK_BYTES, PublishedVersion,
                                                VersionStore)
@@ -74,6 +77,10 @@ class VariableServer(core.Worker):
         memory only). Read when the server is made (ValueError if the file is not a state).
       state_fsync: fsync each state write (a machine crash then loses at most the last one);
         False survives process death only, at a fraction of the cost.
+      shm_root: the publishers' shared-memory writer root (shm.writer_root of their shm_dir):
+        shared-memory publishes may name files under it only, and `stop()` removes the run
+        directories under it whose writer process is gone (a learner killed before it could
+        clean up). None refuses shared-memory publishes (the publisher then streams).
     """
 
     def __init__(self,
@@ -93,7 +100,8 @@ class VariableServer(core.Worker):
                  tls_private_key: Optional[bytes] = None,
                  validate_payload: Optional[Callable[[int, memoryview, str], None]] = None,
                  state_path: Optional[str] = None,
-                 state_fsync: bool = True):
+                 state_fsync: bool = True,
+                 shm_root: Optional[str] = writer_root(DEFAULT_SHM_DIR)):
         if not 0 <= port <= 65535:
             raise ValueError(f"port={port}: must be in [0, 65535]; 0 picks a free port")
         if chunk_bytes < MIN_FETCH_CHUNK_BYTES:
@@ -109,7 +117,8 @@ class VariableServer(core.Worker):
         if (tls_cert_chain is None) != (tls_private_key is None):
             raise ValueError("tls_cert_chain and tls_private_key: give both (TLS) or neither")
         self._admission = Admission(batch_size, max_staleness, admission_control)
-        self._store = VersionStore(keep_versions, max_payload_bytes, validate_payload)
+        self._store = VersionStore(keep_versions, max_payload_bytes, validate_payload, shm_root)
+        self._shm_root = shm_root
         self._auth_token = auth_token
         self._tls = (tls_cert_chain, tls_private_key) if tls_cert_chain is not None else None
         self._requested_port = port
@@ -185,6 +194,12 @@ class VariableServer(core.Worker):
         server = self._server
         if server is not None:
             server.stop(grace=grace_s).wait()
+        self._store.close()
+        if self._shm_root is not None:
+            for path in sweep_dead_runs(self._shm_root):
+                logging.info("VariableServer: removed %s, shared-memory versions of a writer "
+                             "that is gone", path)
+            remove_if_empty(self._shm_root)
 
     def __enter__(self) -> "VariableServer":
         return self.start()
@@ -197,6 +212,11 @@ class VariableServer(core.Worker):
     def latest(self) -> Optional[PublishedVersion]:
         """The newest visible version, or None before any publish."""
         return self._store.latest()
+
+    def wait_copied(self, version: int, timeout_s: float = 120.0) -> bool:
+        """Waits until the server holds the bytes of `version` (a shared-memory publish is
+        copied in the background; a gRPC one at once). False when not held or not copied."""
+        return self._store.wait_copied(version, timeout_s)
 
     def progress(self) -> Optional[Progress]:
         """The latest accepted progress report, or None before any."""
@@ -291,7 +311,8 @@ class VariableServer(core.Worker):
             return variables_pb2.VersionInfo(version=-1)
         return variables_pb2.VersionInfo(version=latest.version, sha256=latest.sha256,
                                           num_bytes=latest.num_bytes,
-                                          publish_time=latest.publish_time)
+                                          publish_time=latest.publish_time,
+                                          shm_path=latest.shm_path, crc32=latest.crc32)
 
     def _fetch_weights(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         request = parse(variables_pb2.FetchRequest, raw, "FetchRequest")

@@ -8,6 +8,17 @@ claims, then `validate_payload` (e.g. security.SafetensorsValidator: names, shap
 A refused publish leaves the previous version visible. Versions strictly increase; the visible
 version may be published again only with a byte-identical payload (a resumed learner).
 
+A shared-memory publish (shm.py) is one chunk naming a file on this host instead of carrying
+bytes: the store opens and locks the file, runs the validator's header checks
+(`validate_payload.layout_only` when it has one: the publisher checked finiteness while it
+wrote the file) and makes the version visible at once, with its path, for clients on this host
+to map. The first FetchWeights of that version (remote clients, local ones whose file is gone or
+corrupt) starts a helper thread that copies the file into a receive buffer and checks its
+CRC-32, and streams each chunk once the copy has passed it; until then the server holds only
+the open file, so with local actors only it never keeps a second copy of the weights. A version
+evicted before anyone fetched it over gRPC is never copied. No sha256 is computed for such a
+version: its identity, for the republish check, is its size and CRC-32.
+
 Weight bytes are copied once: chunk data is located in the raw request (wire.py) and copied
 into a receive buffer reused from an evicted version (buffers.py); fetched chunks are framed
 around slices of the held payload. The sha256 (the version's identity) is computed by a helper
@@ -20,6 +31,7 @@ import collections
 import dataclasses
 import hashlib
 import hmac
+import itertools
 import queue
 import threading
 import time
@@ -32,9 +44,13 @@ from sao_actor_learner.protos_gen import variables_pb2
 from sao_actor_learner.variables import wire
 from sao_actor_learner.variables.buffers import BufferPool, PayloadAssembler
 from sao_actor_learner.variables.rpc import Abort, parse_chunk
+from sao_actor_learner.variables.shm import DEFAULT_SHM_DIR, writer_root
+from sao_actor_learner.variables.shm_reader import ShmSource
 
 # FetchWeights never streams chunks smaller than this, whatever the client asks for.
 MIN_FETCH_CHUNK_BYTES = 1 << 10
+# How long FetchWeights waits for the server's copy of a shared-memory version.
+SHM_COPY_TIMEOUT_S = 120.0
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -43,18 +59,21 @@ class PublishedVersion:
     """One fully received and verified policy version. Immutable: filling in its sha256 (see
     below) replaces the record."""
     version: int
-    payload: memoryview          # read-only view of the assembled bytes
+    payload: Optional[memoryview]  # read-only view of the assembled bytes; None for a
+                                 # shared-memory publish until the server's copy is ready
     sha256: str                  # "" from the moment the version is visible (its CRC-32 and
                                  # the validator passed) until the digest is recorded, just
-                                 # before Publish answers
+                                 # before Publish answers; always "" for a shared-memory publish
     format: str
     dropped_total: int           # the admission credit the publisher sent with it
     publish_time: float
     crc32: int = 0               # CRC-32 (zlib.crc32) of the payload
+    shm_path: str = ""           # its shared-memory file on this host, if published that way
+    size: int = -1               # payload bytes (-1: payload.nbytes)
 
     @property
     def num_bytes(self) -> int:
-        return self.payload.nbytes
+        return self.size if self.size >= 0 else self.payload.nbytes
 
 
 class _Sha256Behind:
@@ -92,6 +111,51 @@ class _Sha256Behind:
             self._thread.join()
 
 
+class _ShmCopy:
+    """The server's copy of a shared-memory version: the open, locked file until a gRPC client
+    first needs the bytes, then how far the copy got, and its error once it failed.
+    FetchWeights streams what is copied (`wait_for`)."""
+
+    def __init__(self, size: int, source: ShmSource):
+        self.size = size
+        self.source = source
+        self.started = False     # set, under the store's lock, by the one who starts the copy
+        self.buf: Optional[bytearray] = None
+        self.copied = 0
+        self.error = ""
+        self.done = False
+        self._cond = threading.Condition()
+
+    def start(self, buf: bytearray) -> None:
+        with self._cond:
+            self.buf = buf
+
+    def advance(self, copied: int) -> None:
+        with self._cond:
+            self.copied = copied
+            self._cond.notify_all()
+
+    def finish(self, error: str = "") -> None:
+        with self._cond:
+            self.error, self.done = error, True
+            self._cond.notify_all()
+
+    def wait_for(self, end: int, timeout_s: float) -> memoryview:
+        """A view of the buffer once its first `end` bytes are copied; Abort (UNAVAILABLE) when
+        the copy failed or took longer than `timeout_s`."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.copied >= end or self.error, timeout_s)
+            if self.error or self.copied < end:
+                raise Abort(grpc.StatusCode.UNAVAILABLE,
+                            f"FetchWeights: the server's copy of a shared-memory version "
+                            f"failed ({self.error or 'timed out'}); ask again for the newest")
+            return memoryview(self.buf).toreadonly()
+
+    def wait_done(self, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.done, timeout_s)
+
+
 class VersionStore:
     """The newest `keep_versions` published versions. Thread-safe.
 
@@ -99,17 +163,25 @@ class VersionStore:
       keep_versions: how many newest versions stay fetchable by number (>= 1).
       max_payload_bytes: the largest payload a publisher may announce.
       validate_payload: called as validate_payload(version, payload, format) once a publish
-        arrived whole with correct checksums; raising ValueError refuses the version.
+        arrived whole with correct checksums; raising ValueError refuses the version. A
+        shared-memory publish calls its `layout_only` instead when it has one.
+      shm_root: shared-memory publishes may name files under this directory only; None refuses
+        them (UNIMPLEMENTED: the publisher then streams the bytes).
     """
 
     def __init__(self, keep_versions: int = 2, max_payload_bytes: int = 16 << 30,
-                 validate_payload: Optional[Callable[[int, memoryview, str], None]] = None):
+                 validate_payload: Optional[Callable[[int, memoryview, str], None]] = None,
+                 shm_root: Optional[str] = writer_root(DEFAULT_SHM_DIR)):
         if keep_versions < 1:
             raise ValueError(f"keep_versions={keep_versions}: must be >= 1")
         if max_payload_bytes < 1:
             raise ValueError(f"max_payload_bytes={max_payload_bytes}: must be >= 1")
         self._max_payload_bytes = max_payload_bytes
         self._validate_payload = validate_payload
+        self._validate_layout = getattr(validate_payload, "layout_only", validate_payload)
+        self._shm_root = shm_root
+        self._copies: Dict[int, _ShmCopy] = {}   # shared-memory versions being copied (or
+                                                  # whose copy failed), until evicted
         self._lock = threading.Lock()
         self._versions: Deque[PublishedVersion] = collections.deque(maxlen=keep_versions)
         self.buffers = BufferPool(max_spares=1)   # an evicted version's buffer, for reuse
@@ -139,6 +211,13 @@ class VersionStore:
         visible, whether it repeated the visible one: then its dropped_total is the larger of
         the two). Raises Abort naming what was wrong."""
         start = time.monotonic()
+        chunks = iter(chunks)
+        first_raw = next(chunks, None)
+        if first_raw is not None:
+            chunk, data = parse_chunk(variables_pb2.PublishChunk, first_raw, "PublishChunk #0")
+            if chunk.HasField("shm_path"):
+                return self._receive_shm(chunk, data, chunks, start)
+            chunks = itertools.chain((first_raw,), chunks)
         digest = _Sha256Behind()
         try:
             record, republished, n_chunks = self._receive(chunks, digest)
@@ -244,28 +323,11 @@ class VersionStore:
                                   format=first.format, dropped_total=first.dropped_total,
                                   publish_time=time.time(), crc32=crc)
         with self._lock:
-            current = self._versions[-1] if self._versions else None
-            if current is not None and current.version == version:
-                if not current.sha256 or not record.sha256:
-                    raise Abort(grpc.StatusCode.UNAVAILABLE,
-                                f"Publish version={version}: another Publish of this version "
-                                "is still being hashed; publish from one learner, one version "
-                                "at a time")
-                if current.sha256 != record.sha256:
-                    raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"Publish version={version} repeats the current version with "
-                                "a different payload; publish a newer version instead")
-                self.counters["republished"] += 1
-                self._versions[-1] = current = dataclasses.replace(
-                    current, dropped_total=max(current.dropped_total, record.dropped_total))
+            current = self._republished_locked(record)
+            if current is not None:
                 self.buffers.give(payload.obj)     # reusable once `record` is gone
                 return current, True, n_chunks
-            self._check_newer(version)
-            if len(self._versions) == self._versions.maxlen:
-                # Evicted: its buffer receives a later version once no fetch streams it.
-                self.buffers.give(self._versions[0].payload.obj)
-            self._versions.append(record)             # the atomic swap
-            self.counters["published"] += 1
+            self._append_locked(record)               # the atomic swap
         if not actual:                                # visible; clients may be fetching it
             actual = digest.hexdigest()
             with self._lock:
@@ -273,6 +335,179 @@ class VersionStore:
                     if held.version == version and not held.sha256:
                         self._versions[i] = record = dataclasses.replace(held, sha256=actual)
         return record, False, n_chunks
+
+    def _republished_locked(self, record: PublishedVersion) -> Optional[PublishedVersion]:
+        """When `record` repeats the visible version: the visible one, its credit (and shared-
+        memory path) refreshed; None when it is a newer version. Abort when it repeats it with
+        another payload, or cannot be compared yet. Needs the lock."""
+        current = self._versions[-1] if self._versions else None
+        if current is None or current.version != record.version:
+            return None
+        if current.num_bytes != record.num_bytes:
+            same: Optional[bool] = False
+        elif current.sha256 and record.sha256:
+            same = current.sha256 == record.sha256
+        elif current.shm_path or record.shm_path:    # no sha256 there: size and CRC-32
+            same = current.crc32 == record.crc32
+        else:
+            same = None
+        if same is None:
+            raise Abort(grpc.StatusCode.UNAVAILABLE,
+                        f"Publish version={record.version}: another Publish of this version "
+                        "is still being hashed; publish from one learner, one version at a time")
+        if not same:
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"Publish version={record.version} repeats the current version with "
+                        "a different payload; publish a newer version instead")
+        self.counters["republished"] += 1
+        self._versions[-1] = current = dataclasses.replace(
+            current, dropped_total=max(current.dropped_total, record.dropped_total),
+            shm_path=record.shm_path or current.shm_path)
+        return current
+
+    def _append_locked(self, record: PublishedVersion) -> None:
+        """Makes `record` the visible version, evicting the oldest held one. Needs the lock."""
+        self._check_newer(record.version)
+        if len(self._versions) == self._versions.maxlen:
+            # Evicted: its buffer receives a later version once no fetch streams it.
+            evicted = self._versions[0]
+            if evicted.payload is not None:
+                self.buffers.give(evicted.payload.obj)
+            copy = self._copies.pop(evicted.version, None)
+            if copy is not None and not copy.started:
+                copy.source.close()               # never fetched over gRPC: never copied
+        self._versions.append(record)
+        self.counters["published"] += 1
+
+    # ------------------------------------------------------------------ shared-memory publish
+
+    def _receive_shm(self, chunk, data, rest: Iterator[bytes],
+                     start: float) -> Tuple[PublishedVersion, bool]:
+        """One shared-memory publish (see the module doc); returns as `receive`."""
+        version, size = chunk.version, chunk.total_bytes
+        extra = sum(1 for _ in rest)
+        what = f"Publish version={version} (shm_path={chunk.shm_path!r})"
+        if self._shm_root is None:
+            raise Abort(grpc.StatusCode.UNIMPLEMENTED, f"{what}: this server takes no "
+                        "shared-memory publishes; stream the payload instead")
+        if extra or data.nbytes or not chunk.last or not chunk.HasField("crc32"):
+            raise Abort(_INVALID, f"{what}: a shared-memory publish is one chunk with last=true, "
+                        "crc32 and no data")
+        if version < 0 or chunk.dropped_total < 0:
+            raise Abort(_INVALID, f"{what}: version and dropped_total must be >= 0")
+        if not 0 < size <= self._max_payload_bytes:
+            raise Abort(_INVALID if size <= 0 else grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{what}: total_bytes={size} must be in [1, max_payload_bytes="
+                        f"{self._max_payload_bytes}]")
+        with self._lock:                                  # fail early, checked again at commit
+            self._check_newer(version, allow_current=True)
+        try:
+            source = ShmSource(chunk.shm_path, size, self._shm_root)
+        except ValueError as e:
+            raise Abort(_INVALID, f"{what}: {e}") from None
+        except OSError as e:                              # e.g. the publisher is on another host
+            raise Abort(grpc.StatusCode.UNIMPLEMENTED, f"{what}: the file cannot be read on "
+                        f"the server's host ({e}); stream the payload instead") from None
+        try:
+            if self._validate_layout is not None:
+                view, mapping = source.header_view()   # reads the header's pages only
+                problem = ""
+                try:
+                    self._validate_layout(version, view, chunk.format)
+                except ValueError as e:
+                    problem = str(e)
+                finally:
+                    view.release()
+                    try:
+                        mapping.close()
+                    except BufferError:    # a view outlives the call: unmapped when it goes
+                        pass
+                if problem:
+                    raise Abort(_INVALID, f"{what}: payload rejected: {problem}; the version "
+                                "was discarded")
+            record = PublishedVersion(version=version, payload=None, sha256="",
+                                      format=chunk.format, dropped_total=chunk.dropped_total,
+                                      publish_time=time.time(), crc32=chunk.crc32,
+                                      shm_path=chunk.shm_path, size=size)
+            with self._lock:
+                current = self._republished_locked(record)
+                if current is None:
+                    self._append_locked(record)            # the atomic swap
+                    self.counters["shm_published"] += 1
+                    self._copies[version] = _ShmCopy(size, source)   # copied on demand
+        except BaseException:
+            source.close()
+            raise
+        if current is not None:
+            source.close()
+            return current, True
+        logging.info("VariableServer: published version %d (%d bytes) from shared memory %s "
+                     "in %.3f s", version, size, chunk.shm_path, time.monotonic() - start)
+        return record, False
+
+    def _start_copy_locked(self, record: PublishedVersion, copy: "_ShmCopy") -> None:
+        """Starts the server's copy of a shared-memory version unless it runs already (the
+        first FetchWeights of it, or wait_copied). Needs the lock."""
+        if copy.started:
+            return
+        copy.started = True
+        threading.Thread(target=self._copy_shm, args=(record, copy.source, copy), daemon=True,
+                         name=f"variable-server-shm-copy-{record.version}").start()
+
+    def _copy_shm(self, record: PublishedVersion, source: ShmSource, copy: "_ShmCopy") -> None:
+        """The server's own copy of a shared-memory version (what FetchWeights streams, as the
+        copy passes each chunk)."""
+        try:
+            buf = self.buffers.take(record.num_bytes) or bytearray(record.num_bytes)
+            copy.start(buf)
+            source.read_into(buf, record.crc32, progress=copy.advance)
+            payload = memoryview(buf).toreadonly()
+            with self._lock:
+                for i, held in enumerate(self._versions):
+                    if held.version == record.version and held.payload is None and \
+                            held.crc32 == record.crc32:
+                        self._versions[i] = dataclasses.replace(held, payload=payload)
+                        self.counters["shm_copied"] += 1
+                        break
+                else:                                  # evicted meanwhile
+                    self.buffers.give(buf)
+                self._copies.pop(record.version, None)
+            copy.finish()
+        except (OSError, ValueError) as e:
+            logging.error("VariableServer: version %d: could not copy %s: %s; FetchWeights "
+                          "cannot serve it", record.version, record.shm_path, e)
+            with self._lock:
+                self.counters["shm_copy_failed"] += 1
+            copy.finish(str(e))
+            if copy.buf is not None:
+                self.buffers.give(copy.buf)            # reused once no stream views it
+        finally:
+            source.close()
+
+    def wait_copied(self, version: int, timeout_s: float = SHM_COPY_TIMEOUT_S) -> bool:
+        """Waits until `version` has its bytes on the server (at once for a gRPC publish; a
+        shared-memory one's copy is started if no fetch started it); False when it is not held
+        or its copy failed or timed out."""
+        with self._lock:
+            copy = self._copies.get(version)
+            record = next((v for v in self._versions if v.version == version), None)
+            if copy is not None and record is not None:
+                self._start_copy_locked(record, copy)
+        if copy is not None and not copy.wait_done(timeout_s):
+            return False
+        with self._lock:
+            record = next((v for v in self._versions if v.version == version), None)
+            return record is not None and record.payload is not None
+
+    def close(self) -> None:
+        """Lets go of the shared-memory files of versions never copied (the writer may then
+        reuse or remove them)."""
+        with self._lock:
+            for copy in self._copies.values():
+                if not copy.started:
+                    copy.source.close()
+                    copy.started = True
+                    copy.finish("the server stopped")
 
     # ------------------------------------------------------------------ FetchWeights
 
@@ -296,18 +531,34 @@ class VersionStore:
                                 f"FetchWeights version={version}: not held; the server keeps "
                                 f"versions {held}; ask for version=-1 (the newest)")
             self.counters["fetches"] += 1
-        return self._frames(record, max(MIN_FETCH_CHUNK_BYTES, chunk_bytes))
+            copy = self._copies.get(record.version) if record.payload is None else None
+            if copy is not None and not copy.error:
+                self._start_copy_locked(record, copy)
+        chunk_bytes = max(MIN_FETCH_CHUNK_BYTES, chunk_bytes)
+        if record.payload is not None:
+            return self._frames(record, record.payload, chunk_bytes)
+        if copy is None or copy.error:               # a shared-memory version, not copied
+            raise Abort(grpc.StatusCode.UNAVAILABLE,
+                        f"FetchWeights version={record.version}: published through shared "
+                        "memory and the server has no copy of it "
+                        f"({copy.error if copy else 'evicted'}); ask again for the newest")
+        return self._frames(record, None, chunk_bytes, copy)
 
     @staticmethod
-    def _frames(record: PublishedVersion, chunk_bytes: int) -> Iterator[bytes]:
-        payload, total, offset = record.payload, record.num_bytes, 0
+    def _frames(record: PublishedVersion, payload: Optional[memoryview], chunk_bytes: int,
+                copy: Optional["_ShmCopy"] = None) -> Iterator[bytes]:
+        """The chunks of `payload`, or, while the server copies a shared-memory version, of
+        `copy`'s buffer, each once the copy has passed it (cut-through: the client checks the
+        CRC-32 of the whole before it uses any of it)."""
+        total, offset = record.num_bytes, 0
         first = variables_pb2.WeightsChunk(version=record.version, total_bytes=total,
                                            sha256=record.sha256, format=record.format,
                                            crc32=record.crc32).SerializeToString()
         head = variables_pb2.WeightsChunk(version=record.version).SerializeToString()
         while True:
             end = min(offset + chunk_bytes, total)
-            yield wire.encode_chunk(first if offset == 0 else head, (payload[offset:end],))
+            data = payload if copy is None else copy.wait_for(end, SHM_COPY_TIMEOUT_S)
+            yield wire.encode_chunk(first if offset == 0 else head, (data[offset:end],))
             offset = end
             if offset >= total:
                 return
