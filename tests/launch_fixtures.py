@@ -163,6 +163,19 @@ def make_stubborn() -> Stubborn:
     return Stubborn()
 
 
+class LeavesAThread(Forever):
+    """Stops when asked, but leaves a non-daemon thread behind that would run for a minute
+    (a pool or a client that is slow to shut down)."""
+
+    def run(self) -> None:
+        threading.Thread(target=time.sleep, args=(60.0,), daemon=False).start()
+        super().run()
+
+
+def make_leaves_a_thread() -> LeavesAThread:
+    return LeavesAThread(None)
+
+
 def make_silent_server(port: int) -> Forever:
     """A 'service' that never listens on its port."""
     return Forever(None)

@@ -236,6 +236,20 @@ def test_local_mp_stop_ignoring_node_is_killed_after_notice(tmp_path):
     assert "ignoring stop" in (tmp_path / "logs" / "stubborn_0.log").read_text()
 
 
+def test_local_mp_node_that_stops_but_leaves_a_thread_exits_within_the_notice(tmp_path):
+    program = lp.Program("leftover")
+    program.add_node(lp.PyNode(fx.make_sleeper, 0.2))
+    program.add_node(lp.PyNode(fx.make_leaves_a_thread))
+    launched = lp.launch(program, run_dir=str(tmp_path), terminal_groups=("sleeper",),
+                         notice_s=20.0)
+    assert launched.wait(timeout=60) is True
+    # It exits by itself (exit code 0, "finished"), not killed at the notice's end.
+    assert launched.statuses == {"sleeper": ["finished"], "leaves_a_thread": ["finished"]}
+    assert launched.exitcodes["leaves_a_thread"] == [0]
+    assert "non-daemon threads still running" in \
+        (tmp_path / "logs" / "leaves_a_thread_0.log").read_text()
+
+
 def test_local_mp_service_that_fails_to_start(tmp_path):
     program = lp.Program("broken")
     program.add_node(lp.ServiceNode(fx.make_broken_server))

@@ -12,7 +12,8 @@ Guarantees:
   process's output goes to its log; the launcher's b"stop" on the stop pipe asks the worker to
   stop, and EOF (the launcher died) stops it too, with `notice_s` seconds before the process
   exits; threads the worker leaves behind never keep the process alive past
-  `max(notice_s, 1)` seconds after run() ends. The exit code is 0 when run() returned, 1 when
+  `max(notice_s, 1)` seconds after run() ends, nor, after a stop request, past half the notice
+  (so a worker that stopped in time is never killed for its leftover threads). The exit code is 0 when run() returned, 1 when
   it raised (the traceback goes to the log).
 
 Pure standard library.
@@ -44,6 +45,7 @@ class WorkerControl:
         self._lock = threading.Lock()
         self._worker: Any = None
         self.stop_requested = False
+        self.stop_time: Optional[float] = None   # time.monotonic() of the first stop request
 
     def set_worker(self, worker: Any) -> bool:
         """Registers the built worker; False (and the worker told to stop) if stop came first."""
@@ -60,6 +62,7 @@ class WorkerControl:
             if self.stop_requested:
                 return
             self.stop_requested = True
+            self.stop_time = time.monotonic()
             worker = self._worker
         if worker is not None:
             _call_stop(worker, self.name)
@@ -133,8 +136,16 @@ def process_main(payload: bytes, name: str, port: Optional[int], log_path: str,
         code = 1
     flush_std_streams()
 
-    def force_exit() -> None:   # threads the worker left behind must not keep us alive
-        time.sleep(max(notice_s, 1.0))
+    # Threads the worker left behind must not keep the process alive: at most max(notice_s, 1)
+    # seconds after run() ended, and, once a stop was requested, no later than halfway through
+    # the launcher's notice (which started with the request), so a node that stopped in time
+    # exits by itself with its own exit code instead of being killed at the notice's end.
+    deadline = time.monotonic() + max(notice_s, 1.0)
+    if control.stop_time is not None:
+        deadline = min(deadline, control.stop_time + notice_s / 2)
+
+    def force_exit() -> None:
+        time.sleep(max(0.0, deadline - time.monotonic()))
         print(f"[launch] {name}: non-daemon threads still running; exiting", flush=True)
         flush_std_streams()
         os._exit(code)
