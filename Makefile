@@ -117,8 +117,9 @@ warm-start-dataset: $(DATASET_WARM_START)/warm_start.json
 run-dataset: venv warm-start-dataset
 	$(PY) programs/sao.py --task=dataset --model=$(DATASET_WARM_START) \
 	    --train_files=$(GSM_TINY)/train.parquet --eval_files=$(GSM_TINY)/test.parquet \
-	    --reward=gsm8k --eval_size=500 --eval_every=50 --max_steps=200 --batch_size=32 \
-	    --num_actors=1 --actor_batch=16 --policy_lr=2e-4 --critic_lr=1e-3 \
+	    --reward=gsm8k --eval_size=500 --eval_every=50 --max_steps=150 --batch_size=32 \
+	    --num_actors=1 --actor_batch=16 --policy_lr=2e-4 --lr_schedule=cosine \
+	    --critic_lr=2e-4 --value_pretrain_steps=40 \
 	    --max_new_tokens=96 --threads_per_process=1 --run_dir=$(DATASET_RUN_DIR)
 	$(PY) -c "import json; s = json.load(open('$(DATASET_RUN_DIR)/summary.json')); \
 	    print('held-out accuracy %.3f -> %.3f (%+.1f points) on 500 test problems in %.0f s' % \
