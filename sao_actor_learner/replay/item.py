@@ -70,6 +70,12 @@ def header(cols: Dict[str, object], length: int) -> bytes:
                        index(cols["truncated"]), index(cols["seq"]))
 
 
+def length_of(item: np.ndarray) -> int:
+    """The rollout length in the header of an item this module packed (no checks: parse
+    checks untrusted items)."""
+    return HEADER.unpack_from(item, 0)[1]
+
+
 def pack(cols: Dict[str, np.ndarray], padded_length: int,
          sign: Optional["callable"] = None) -> np.ndarray:
     """The item of exact-dtype columns (replay/validation.py check_columns' output) padded to

@@ -42,7 +42,7 @@ from sao_actor_learner.replay import item
 from sao_actor_learner.replay.client import connect
 from sao_actor_learner.replay.tables import DEFAULT_TABLE, ITEM_COLUMNS
 from sao_actor_learner.replay.validation import REJECT_REASONS, RolloutVerifier
-from sao_actor_learner.types import SCALAR_COLUMNS, TOKEN_COLUMNS, Rollout
+from sao_actor_learner.types import Rollout
 
 # Reverb's sampler returns (key, probability, table_size, priority, times_sampled) before the data.
 _NUM_INFO_TENSORS = 5
@@ -57,8 +57,7 @@ def decode_item(flat: Sequence[np.ndarray]) -> Rollout:
         raise ValueError(f"replay item has {len(flat)} columns, expected {len(ITEM_COLUMNS)} "
                          f"({', '.join(ITEM_COLUMNS)}): was it written by RolloutWriter?")
     cols = item.parse(flat[0]).columns
-    return Rollout(**{name: cols[name] for name in TOKEN_COLUMNS},
-                   **{name: cols[name].item() for name in SCALAR_COLUMNS})
+    return Rollout.from_columns(cols)
 
 
 class RolloutReader:

@@ -217,5 +217,4 @@ class RolloutVerifier:
             return None, reason
         if self.signer is not None and not self.signer.verify(parsed.signed, parsed.signature):
             return None, "bad_signature"
-        return Rollout(**{n: cols[n] for n in TOKEN_COLUMNS},
-                       **{n: cols[n].item() for n in SCALAR_COLUMNS}), None
+        return Rollout.from_columns(cols), None

@@ -182,7 +182,7 @@ class RolloutWriter(core.RolloutSink):
     # --- core.RolloutSink --------------------------------------------------------------------
     def check(self, rollout: Rollout) -> Optional[str]:
         """None when `rollout` passes validation, else the reason (nothing counted)."""
-        return self._checked_columns(rollout)[1]
+        return check_rollout(rollout, self.vocab_size, self.max_sequence_length)[1]
 
     def send(self, rollouts: Sequence[Rollout], timeout_s: float) -> List[bool]:
         """`write_many`, per rollout whether it went (a refused one counts as not sent)."""
@@ -245,7 +245,7 @@ class RolloutWriter(core.RolloutSink):
     def validate(self, rollout: Rollout) -> Tuple[Optional[np.ndarray], Optional[str]]:
         """(the rollout's replay item, unpadded, signed, None) for a valid rollout, else
         (None, reason): the checks of replay/validation.py, then the item (replay/item.py)."""
-        cols, reason = self._checked_columns(rollout)
+        cols, reason = check_rollout(rollout, self.vocab_size, self.max_sequence_length)
         if reason is not None:
             return None, reason
         try:
@@ -254,10 +254,6 @@ class RolloutWriter(core.RolloutSink):
         except (struct.error, TypeError, ValueError, OverflowError):
             return None, "malformed"   # a scalar outside its dtype's range, or not a number
         return packed, None
-
-    def _checked_columns(self, rollout: Any) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
-        """(columns, None) when `rollout`'s values pass the checks, else (None, reason)."""
-        return check_rollout(rollout, self.vocab_size, self.max_sequence_length)
 
     def _reject(self, reason: str, rollout: Any) -> None:
         self._rejected[reason] += 1
@@ -304,7 +300,7 @@ class RolloutWriter(core.RolloutSink):
         _MIN_CONFIRM_S). Returns, per item, whether replay confirmed it; the unconfirmed ones
         (always the last ones: one stream lands its items in order) keep their writer alive,
         retired, until they land, and later items use a fresh one."""
-        size = item.item_bytes(self._bucket(max(_item_length(packed) for packed in group)))
+        size = item.item_bytes(self._bucket(max(item.length_of(packed) for packed in group)))
         writer = self._writers.get(size)
         if writer is None:
             writer = self._client.trajectory_writer(num_keep_alive_refs=1)
@@ -380,11 +376,6 @@ class RolloutWriter(core.RolloutSink):
     def __repr__(self) -> str:
         return (f"RolloutWriter(table={self._table!r}, inserted={self._inserted}, "
                 f"timeouts={self._timeouts}, rejected={dict(self._rejected)})")
-
-
-def _item_length(packed: np.ndarray) -> int:
-    """The rollout length in an item's header (replay/item.py)."""
-    return int(packed[4:8].view(np.int32)[0])
 
 
 def _padded(packed: np.ndarray, size: int) -> np.ndarray:
