@@ -53,10 +53,12 @@ $(VLLM_STAMP):
 # The TRL environment (issue 8, benchmark 1: programs/benchmarks/vs_trl.py runs TRL's GRPOTrainer
 # from here): the peer gets its own venv so its transformers/accelerate/datasets never meet the
 # main venv's pins. torch==2.13.0 first (the local CPU build; an unpinned torch is a multi-GB CUDA
-# download), then trl with torch pinned again.
+# download), then trl with torch pinned again, and absl-py (the dataset workload's reward code,
+# sao_actor_learner.rewards, logs through absl). The stamp's suffix changes with this list, so an
+# older venv gets the new packages.
 TRL_VENV  ?= .venv-trl
 TRL_PY    := $(TRL_VENV)/bin/python
-TRL_STAMP := $(TRL_VENV)/.installed
+TRL_STAMP := $(TRL_VENV)/.installed-v2
 TRL_SPEC  ?= trl>=1.13,<2
 .PHONY: trl-env
 
@@ -67,9 +69,9 @@ $(TRL_STAMP):
 	@echo "building $(TRL_VENV) ($(TRL_SPEC)); pip output in $(TRL_VENV)/install.log"
 	( $(TRL_PY) -m pip install --upgrade "pip>=23" && \
 	  $(TRL_PY) -m pip install "torch==2.13.0" && \
-	  $(TRL_PY) -m pip install "torch==2.13.0" "$(TRL_SPEC)" && \
+	  $(TRL_PY) -m pip install "torch==2.13.0" "$(TRL_SPEC)" "absl-py>=1.4,<3" && \
 	  $(TRL_PY) -m pip check ) > $(TRL_VENV)/install.log 2>&1 || { tail -40 $(TRL_VENV)/install.log; exit 1; }
-	$(TRL_PY) -c "import torch, transformers, trl; from trl import GRPOConfig, GRPOTrainer; \
+	$(TRL_PY) -c "import absl, torch, transformers, trl; from trl import GRPOConfig, GRPOTrainer; \
 	    print('trl', trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__, 'in $(TRL_VENV)')"
 	touch $(TRL_STAMP)
 

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+import hf_fixtures as fx
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -99,27 +101,8 @@ def _check_optional(value, kind, what):
     assert value is None or (isinstance(value, kind) and value >= 0), f"{what}: {value!r}"
 
 
-def test_vs_trl_smoke_prints_a_table_and_one_json_line(warm_start, tmp_path):
-    assert os.path.exists(TRL_PYTHON), (
-        f"{TRL_PYTHON} is missing: build the TRL environment with `make trl-env` (CI runs it in "
-        ".ci/run before `make test`)")
-    threshold = 0.5
-    cmd = [sys.executable, os.path.join(REPO, "programs", "benchmarks", "vs_trl.py"),
-           f"--init_checkpoint={warm_start}", f"--run_root={tmp_path}", "--repeats=1",
-           f"--threshold={threshold}", "--also_thresholds=0.4", "--eval_every=2", "--eval_size=40",
-           "--rollouts_per_step=8", "--sao_max_steps=4", "--trl_group_sizes=2",
-           "--trl_lrs=1e-4", "--trl_time_budget_s=3", "--trl_max_steps=6",
-           "--sao_extra_flags=--actor_batch=4", "--stall_timeout_s=400",
-           "--subprocess_timeout_s=500"]
-    # The timeout only catches a hang: a loaded machine is slow, not wrong.
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    assert "time to threshold (s, training)" in proc.stdout   # the table
-    result = json.loads(lines[-1])                              # ... then exactly one JSON line
-    assert not any(line.startswith("{") for line in lines[:-1])
-
+def _check_format(result, threshold):
+    """What any vs_trl run prints, whatever each side reached."""
     assert result["benchmark"] == "vs_trl" and result["threshold"] == threshold
     assert result["trl_tuned"] == {"group_size": 2, "learning_rate": 1e-4, "runs": []}
     assert isinstance(result["target_met"], bool)
@@ -151,6 +134,35 @@ def test_vs_trl_smoke_prints_a_table_and_one_json_line(warm_start, tmp_path):
         curve = run["eval_curve"]
         assert curve[0][0] == 0 and [c[0] for c in curve] == sorted(c[0] for c in curve)
         assert all(c[2] >= 0 and 0.0 <= c[1] <= 1.0 for c in curve)
+
+
+def _run_vs_trl(args):
+    cmd = [sys.executable, os.path.join(REPO, "programs", "benchmarks", "vs_trl.py"), *args]
+    # The timeout only catches a hang: a loaded machine is slow, not wrong.
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert "time to threshold (s, training)" in proc.stdout   # the table
+    result = json.loads(lines[-1])                              # ... then exactly one JSON line
+    assert not any(line.startswith("{") for line in lines[:-1])
+    return result
+
+
+def test_vs_trl_smoke_prints_a_table_and_one_json_line(warm_start, tmp_path):
+    assert os.path.exists(TRL_PYTHON), (
+        f"{TRL_PYTHON} is missing: build the TRL environment with `make trl-env` (CI runs it in "
+        ".ci/run before `make test`)")
+    threshold = 0.5
+    result = _run_vs_trl([
+        f"--init_checkpoint={warm_start}", f"--run_root={tmp_path}", "--repeats=1",
+        f"--threshold={threshold}", "--also_thresholds=0.4", "--eval_every=2", "--eval_size=40",
+        "--rollouts_per_step=8", "--sao_max_steps=4", "--trl_group_sizes=2",
+        "--trl_lrs=1e-4", "--trl_time_budget_s=3", "--trl_max_steps=6",
+        "--sao_extra_flags=--actor_batch=4", "--stall_timeout_s=400",
+        "--subprocess_timeout_s=500"])
+    assert result["workload"] == "arithmetic"
+    _check_format(result, threshold)
     sao, trl = result["runs"]["sao"][0], result["runs"]["trl"][0]
     # Same warm start, same held-out prompts, same greedy scoring: the same step-0 accuracy.
     assert sao["initial_accuracy"] == trl["initial_accuracy"]
@@ -158,3 +170,27 @@ def test_vs_trl_smoke_prints_a_table_and_one_json_line(warm_start, tmp_path):
     assert trl["rollouts_per_step"] == 8 and trl["prompts_per_step"] == 4
     assert result["runs"]["trl_same_prompts"][0]["rollouts_per_step"] == 16
     assert trl["rollouts"] == trl["steps"] * 8
+
+
+def test_vs_trl_dataset_workload_smoke_prints_a_table_and_one_json_line(tmp_path):
+    """The dataset workload (a tiny random Qwen3 with a BPE tokenizer and chat template, GSM-style
+    parquet rows, the gsm8k reward) through both sides: the same format, nothing about learning."""
+    assert os.path.exists(TRL_PYTHON), f"{TRL_PYTHON} is missing: `make trl-env`"
+    model = fx.tiny_qwen3(str(tmp_path / "model"))
+    train = fx.write_parquet(str(tmp_path / "train.parquet"), fx.gsm_rows(64))
+    test = fx.write_parquet(str(tmp_path / "test.parquet"), fx.gsm_rows(12, start=500))
+    threshold = 0.5
+    result = _run_vs_trl([
+        "--workload=dataset", f"--init_checkpoint={model}", f"--train_files={train}",
+        f"--eval_files={test}", f"--run_root={tmp_path / 'runs'}", "--repeats=1",
+        f"--threshold={threshold}", "--also_thresholds=0.4", "--eval_every=2", "--eval_size=12",
+        "--max_new_tokens=16", "--rollouts_per_step=8", "--sao_max_steps=2",
+        "--trl_group_sizes=2", "--trl_lrs=1e-4", "--trl_time_budget_s=3", "--trl_max_steps=3",
+        "--sao_extra_flags=--actor_batch=4,--value_pretrain_steps=1", "--stall_timeout_s=400",
+        "--subprocess_timeout_s=500"])
+    _check_format(result, threshold)
+    assert result["workload"] == "dataset" and result["max_new_tokens"] == 16
+    assert "--lr_schedule=cosine" in result["sao_flags"]     # make run-dataset's recipe
+    sao, trl = result["runs"]["sao"][0], result["runs"]["trl"][0]
+    assert sao["steps"] == 2 and sao["rollouts"] == 2 * 8
+    assert trl["rollouts_per_step"] == 8 and trl["rollouts"] == trl["steps"] * 8

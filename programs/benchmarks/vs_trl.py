@@ -2,24 +2,35 @@ r"""Benchmark 1: this project (SAO) against a peer, TRL's GRPOTrainer, on the sa
 
   make trl-env
   OMP_NUM_THREADS=1 .venv/bin/python programs/benchmarks/vs_trl.py --threshold=0.9 --repeats=3
+  make warm-start-dataset
+  OMP_NUM_THREADS=1 .venv/bin/python programs/benchmarks/vs_trl.py --workload=dataset \
+      --threshold=0.5 --eval_every=5 --sao_max_steps=100 --trl_lrs=5e-5,2e-4 --trl_group_sizes=4,8
 
-Both sides start from the same warm-start checkpoint (checkpoints/warm_start, greedy held-out
-accuracy 0.355), train on the arithmetic task's training prompts, and are scored on the same 200
-held-out prompts with the same greedy evaluation (max_new_tokens tokens, ArithmeticTask.is_correct)
-every --eval_every steps and at step 0. Each runs in its own process with OMP_NUM_THREADS=1:
+Two workloads (--workload; WORKLOADS below has each one's warm start, completion length and
+SAO recipe):
+  arithmetic  the char-level sums task from checkpoints/warm_start (greedy held-out accuracy
+              0.355), 8-token completions, SAO with `make run`'s settings.
+  dataset     the GSM8K-style parquet files of `make run-dataset` from
+              checkpoints/warm_start_dataset (a Qwen3-shaped model with a BPE tokenizer and chat
+              template), the gsm8k reward, 96-token completions, SAO with `make run-dataset`'s
+              recipe (cosine policy lr 2e-4, critic lr 2e-4, 40 value-pretraining steps).
+Both sides train on the task's training prompts and are scored on the same --eval_size held-out
+prompts with the same greedy evaluation (max_new_tokens tokens, the task's is_correct) every
+--eval_every steps and at step 0. Each runs in its own process with OMP_NUM_THREADS=1:
 
   sao        programs/sao.py (run_program(make_program(config))) from this venv: the default
-             program of `make run` (local_mp launcher, 2 actors, learner, evaluator, replay,
-             variable server: 6 processes), --batch_size rollouts a step, one per prompt.
-  trl        programs/benchmarks/trl_grpo_arithmetic.py with .venv-trl/bin/python: GRPOTrainer
+             program (local_mp launcher, the recipe's actors, learner, evaluator, replay,
+             variable server), --rollouts_per_step rollouts a step, one per prompt.
+  trl        programs/benchmarks/trl_grpo.py with .venv-trl/bin/python: GRPOTrainer
              (TRL's default, on-policy: one generation batch per optimizer step) with the same
              number of rollouts a step, as prompts x G (GRPO refuses G=1): 32 = 16 x 2 or 8 x 4...
   trl_same_prompts  (--trl_same_prompts_variant) TRL with as many prompts a step as SAO (32), so
              32 x G rollouts a step: more samples per step for TRL.
 
-Fairness: same sampling (temperature 1, top_p 1, max_new_tokens 8), fp32, grad-norm clip 1.0,
-constant learning rates. SAO keeps the project's defaults (policy_lr 5e-5, the critic and DIS
-loss of `make run`). TRL gets its learning rate and G tuned first: every (G, lr) of
+Fairness: same sampling (temperature 1, top_p 1, the workload's max_new_tokens), fp32,
+grad-norm clip 1.0. SAO keeps the workload's recipe (arithmetic: policy_lr 5e-5 constant, the
+critic and DIS loss of `make run`; dataset: `make run-dataset`'s, whose value pretraining runs
+inside SAO's training clock and is reported as value_pretrain_s). TRL (constant lr) gets its learning rate and G tuned first: every (G, lr) of
 --trl_group_sizes x --trl_lrs runs once (seed --tune_seed, --tune_budget_s of training); the one
 that reaches the threshold soonest (training clock) is measured. A grid of one is not tuned.
 
@@ -66,10 +77,24 @@ from typing import Callable, Dict, List, Optional
 from absl import app, flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRL_SCRIPT = os.path.join(REPO, "programs", "benchmarks", "trl_grpo_arithmetic.py")
+TRL_SCRIPT = os.path.join(REPO, "programs", "benchmarks", "trl_grpo.py")
 SAO_SCRIPT = os.path.join(REPO, "programs", "sao.py")
 
+GSM_TINY = "data/gsm_tiny"
+# Per workload: the shared warm start, the completion length, and SAO's recipe (the flags of
+# `make run` / `make run-dataset`: the project's settings for that task, not tuned here).
+WORKLOADS = {
+    "arithmetic": {"init_checkpoint": "checkpoints/warm_start", "max_new_tokens": 8,
+                   "sao_policy_lr": 5e-5, "sao_num_actors": 2, "sao_flags": []},
+    "dataset": {"init_checkpoint": "checkpoints/warm_start_dataset", "max_new_tokens": 96,
+                "max_sequence_length": 512, "sao_policy_lr": 2e-4, "sao_num_actors": 1,
+                "sao_flags": ["--actor_batch=16", "--lr_schedule=cosine", "--critic_lr=2e-4",
+                              "--value_pretrain_steps=40"]},
+}
+
 FLAGS = flags.FLAGS
+
+
 def define_flags() -> None:
     """The command-line flags (defined only when run as a script: importing the module for its
     pure functions defines nothing)."""
@@ -81,16 +106,29 @@ def define_flags() -> None:
     flags.DEFINE_integer("eval_size", 200, "Held-out prompts.")
     flags.DEFINE_integer("rollouts_per_step", 32, "Rollouts per optimizer step, both sides.")
     flags.DEFINE_integer("repeats", 3, "Interleaved repeats of each side.")
-    flags.DEFINE_string("init_checkpoint", "checkpoints/warm_start", "The shared warm start.")
+    flags.DEFINE_enum("workload", "arithmetic", list(WORKLOADS), "arithmetic: the char-level "
+                      "sums task (3-token answers); dataset: the GSM8K-style files of "
+                      "`make run-dataset` (BPE tokenizer, Qwen3-shaped model, tens to about a "
+                      "hundred generated tokens).")
+    flags.DEFINE_string("init_checkpoint", "", "The shared warm start (default: the "
+                        "workload's, see WORKLOADS).")
+    flags.DEFINE_integer("max_new_tokens", 0, "Generated tokens per completion, both sides "
+                         "(default: the workload's).")
+    flags.DEFINE_list("train_files", [f"{GSM_TINY}/train.parquet"],
+                      "dataset workload: training files.")
+    flags.DEFINE_list("eval_files", [f"{GSM_TINY}/test.parquet"],
+                      "dataset workload: held-out files.")
+    flags.DEFINE_string("reward", "gsm8k", "dataset workload: the reward (a builtin).")
     flags.DEFINE_integer("task_seed", 0,
                          "The task's split seed (the warm start's; SAO's --seed).")
     flags.DEFINE_string("run_root", "runs/bench_vs_trl",
                         "Run folders of both sides go under here.")
     # SAO
     flags.DEFINE_integer("sao_max_steps", 60, "SAO learner steps per run.")
-    flags.DEFINE_integer("sao_num_actors", 2, "SAO actors.")
+    flags.DEFINE_integer("sao_num_actors", 0, "SAO actors (default: the workload's recipe).")
     flags.DEFINE_string("sao_launch", "local_mp", "SAO launcher.")
-    flags.DEFINE_float("sao_policy_lr", 5e-5, "SAO policy learning rate (the project default).")
+    flags.DEFINE_float("sao_policy_lr", 0.0, "SAO policy learning rate (default: the "
+                       "workload's recipe, see WORKLOADS).")
     flags.DEFINE_list("sao_extra_flags", [], "More programs/sao.py flags, e.g. "
                       "--sao_extra_flags=--critic_updates=1.")
     # TRL
@@ -179,18 +217,40 @@ def _first_reached(curve: List[Dict], threshold: float) -> Optional[Dict]:
     return None
 
 
+def sao_task_flags() -> List[str]:
+    """programs/sao.py's flags for the workload's task, model and completion length."""
+    if FLAGS.workload == "arithmetic":
+        return ["--task=arithmetic", f"--init_checkpoint={FLAGS.init_checkpoint}",
+                f"--max_new_tokens={FLAGS.max_new_tokens}"]
+    return ["--task=dataset", f"--model={FLAGS.init_checkpoint}",
+            f"--train_files={','.join(FLAGS.train_files)}",
+            f"--eval_files={','.join(FLAGS.eval_files)}", f"--reward={FLAGS.reward}",
+            f"--max_new_tokens={FLAGS.max_new_tokens}",
+            f"--max_sequence_length={WORKLOADS['dataset']['max_sequence_length']}"]
+
+
+def trl_task_flags() -> List[str]:
+    """trl_grpo.py's flags for the same task, model, prompts and completion length."""
+    out = [f"--workload={FLAGS.workload}", f"--init_checkpoint={FLAGS.init_checkpoint}",
+           f"--max_new_tokens={FLAGS.max_new_tokens}"]
+    if FLAGS.workload == "dataset":
+        max_prompt = WORKLOADS["dataset"]["max_sequence_length"] - FLAGS.max_new_tokens
+        out += ["--train_files", *FLAGS.train_files, "--eval_files", *FLAGS.eval_files,
+                f"--reward={FLAGS.reward}", f"--max_prompt_length={max_prompt}"]
+    return out
+
+
 def run_sao(name: str) -> Dict:
     """One SAO run (programs/sao.py); its figures from metrics.jsonl and summary.json."""
     run_dir = os.path.join(FLAGS.run_root, name)
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, SAO_SCRIPT, "--task=arithmetic",
-           f"--init_checkpoint={FLAGS.init_checkpoint}",
+    cmd = [sys.executable, SAO_SCRIPT, *sao_task_flags(),
            f"--run_dir={run_dir}", f"--max_steps={FLAGS.sao_max_steps}",
            f"--batch_size={FLAGS.rollouts_per_step}", f"--eval_every={FLAGS.eval_every}",
            f"--eval_size={FLAGS.eval_size}", f"--seed={FLAGS.task_seed}",
            f"--num_actors={FLAGS.sao_num_actors}", f"--launch={FLAGS.sao_launch}",
            f"--policy_lr={FLAGS.sao_policy_lr}", "--threads_per_process=1", "--progress=false",
-           *FLAGS.sao_extra_flags]
+           *WORKLOADS[FLAGS.workload]["sao_flags"], *FLAGS.sao_extra_flags]
     proc = run_side(cmd, os.path.join(FLAGS.run_root, "logs", f"{name}.log"),
                     progress_file=os.path.join(run_dir, "metrics.jsonl"))
     rows = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -210,6 +270,7 @@ def run_sao(name: str) -> Dict:
                       "eval_done_s": round(e["time"] - learner_start, 3),
                       "rollouts": v * FLAGS.rollouts_per_step})
     train_s = train[-1]["time"] - learner_start
+    pretrain = [r["time"] for r in rows if r.get("kind") == "value_pretrain"]
     tokens = sum(r["response_length_mean"] * r["batch_size"] for r in train)
     rollouts = train[-1]["rollouts_trained"]
     with open(os.path.join(run_dir, "summary.json")) as f:
@@ -219,6 +280,10 @@ def run_sao(name: str) -> Dict:
                         rollouts=rollouts, tokens=tokens, proc=proc,
                         startup_s=learner_start - proc["t_launch"],
                         extra={"rollouts_generated": summary.get("rollouts_generated"),
+                               # the critic's pretraining before policy step 1, inside the
+                               # training clock (0 without --value_pretrain_steps)
+                               "value_pretrain_s": round(max(pretrain) - learner_start, 3)
+                               if pretrain else 0.0,
                                "learner_step_s_median": round(statistics.median(
                                    r["step_time_s"] for r in train), 4),
                                "learner_wait_frac_median": round(statistics.median(
@@ -231,10 +296,10 @@ def run_sao(name: str) -> Dict:
 
 def run_trl(name: str, group_size: int, lr: float, seed: int, budget_s: float,
             prompts_per_step: Optional[int] = None) -> Dict:
-    """One TRL GRPOTrainer run (trl_grpo_arithmetic.py in the TRL venv)."""
+    """One TRL GRPOTrainer run (trl_grpo.py in the TRL venv)."""
     rollouts_per_step = (prompts_per_step * group_size if prompts_per_step
                          else FLAGS.rollouts_per_step)
-    cmd = [FLAGS.trl_python, TRL_SCRIPT, f"--init_checkpoint={FLAGS.init_checkpoint}",
+    cmd = [FLAGS.trl_python, TRL_SCRIPT, *trl_task_flags(),
            f"--task_seed={FLAGS.task_seed}", f"--seed={seed}", f"--eval_size={FLAGS.eval_size}",
            f"--rollouts_per_step={rollouts_per_step}", f"--num_generations={group_size}",
            f"--learning_rate={lr}", f"--max_steps={FLAGS.trl_max_steps}",
@@ -473,9 +538,13 @@ def main(argv):
     if not os.path.exists(FLAGS.trl_python):
         sys.exit(f"--trl_python={FLAGS.trl_python} does not exist: build the TRL environment "
                  "with `make trl-env`")
+    for key in ("init_checkpoint", "max_new_tokens", "sao_policy_lr", "sao_num_actors"):
+        if not getattr(FLAGS, key):
+            setattr(FLAGS, key, WORKLOADS[FLAGS.workload][key])
     if not os.path.exists(os.path.join(REPO, FLAGS.init_checkpoint, "config.json")):
         sys.exit(f"--init_checkpoint={FLAGS.init_checkpoint} holds no checkpoint: "
-                 "`make warm-start`")
+                 + ("`make warm-start`" if FLAGS.workload == "arithmetic"
+                    else "`make warm-start-dataset`"))
     if any(float(t) >= FLAGS.threshold for t in FLAGS.also_thresholds):
         raise app.UsageError(f"--also_thresholds={FLAGS.also_thresholds}: each must be below "
                              f"--threshold={FLAGS.threshold} (TRL stops at --threshold)")
@@ -520,7 +589,10 @@ def main(argv):
           f"{'met' if summary['target_met'] else 'NOT met'}; TRL tuned to G={g}, lr={lr:g}")
 
     result = {
-        "benchmark": "vs_trl", "threshold": FLAGS.threshold, "eval_every": FLAGS.eval_every,
+        "benchmark": "vs_trl", "workload": FLAGS.workload,
+        "init_checkpoint": FLAGS.init_checkpoint, "max_new_tokens": FLAGS.max_new_tokens,
+        "sao_flags": WORKLOADS[FLAGS.workload]["sao_flags"] + list(FLAGS.sao_extra_flags),
+        "threshold": FLAGS.threshold, "eval_every": FLAGS.eval_every,
         "eval_size": FLAGS.eval_size, "rollouts_per_step": FLAGS.rollouts_per_step,
         "repeats": FLAGS.repeats, "trl_time_budget_s": budget,
         "trl_tuned": {"group_size": g, "learning_rate": lr, "runs": tuned["runs"]},
