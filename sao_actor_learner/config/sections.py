@@ -151,8 +151,7 @@ class ReplayConfig(Section):
     replay_checkpoint_dir: str = option("", "Where replay checkpoints go; empty: "
                                         "<run_dir>/checkpoints/replay.")
     reverb_without_tensorflow: bool = option(True, "launch=local_mp: nodes load Reverb's C++ "
-                                             "client (and the replay node its server) without "
-                                             "the TensorFlow Python module "
+                                             "client without the TensorFlow Python module "
                                              "(replay/client.py; ~0.3 s and ~60 MB instead of "
                                              "~3 s and ~500 MB per process).")
 
