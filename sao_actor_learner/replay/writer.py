@@ -10,22 +10,20 @@ replay/item.py) to its bucket's size (< 25% more bytes; Reverb's compression shr
 
 Batches. `write_many(rollouts, timeout_s)` inserts an actor's whole generation with the
 guarantees below: one free-slot check (the batch goes out whole while the table has room for it
-twice over; nearer full, one rollout per check, as `write`), every rollout of the group packed
-straight at the group's longest bucket, signed, and appended to that one bucket writer as soon as
-it is packed (so they land in order, and Reverb sends each while the next is packed), one flush:
-one confirmation round trip per call instead of one per rollout. A free-slot count that showed
-room for the batch twice over stands in for the next check for _FREE_HINT_TTL_S (less what was
-sent since), so back-to-back calls skip most `ServerInfo` round trips. The appends go straight to
-Reverb's C++ writer (replay/client.py; its Python wrapper's bookkeeping added ~50 us per rollout,
-half the append's own cost). A rollout may thus be padded beyond its own bucket, to its group's.
+twice over; nearer full, one rollout per check, as `write`), every rollout of the group padded to
+the group's longest bucket and appended to that one bucket writer (so they land in order), one
+flush: one confirmation round trip per call instead of one per rollout. The appends go straight
+to Reverb's C++ writer (replay/client.py; its Python wrapper's bookkeeping added ~50 us per
+rollout, half the append's own cost). A rollout may thus be padded beyond its own bucket, to its
+group's.
 
 Measured by programs/benchmarks/replay_path.py (BENCHMARKS.md section 3; 2 shared cores, server
-in another process, rollouts of ~2k tokens): `write_many` of 8 ~3.1-3.4k rollouts/s, the raw
-legacy `Writer` with one flush at the very end (no validation, no timeout, nothing confirmed
-until then) ~9-10k/s on 12 columns and ~15-18k/s on the same bytes packed as ours. Per rollout
-in `write_many` (cProfile, 2026-12-01): the confirmation wait (~0.7 ms per call of 8), checks
-(~40 us), packing with the HMAC (~45 us, the HMAC ~30 of it), append + create_item (~40 us),
-`ServerInfo` (~0.65 ms, now once per ~3 calls).
+in another process, rollouts of ~2k tokens): `write_many` of 8 ~3.2k rollouts/s, the raw legacy
+`Writer` with one flush at the very end (no validation, no timeout, nothing confirmed until then)
+~9.9k/s on 12 columns and ~19.6k/s on the same bytes packed as ours. Per rollout in `write_many`
+(~0.31 ms; cProfile shares): the confirmation round trip (~0.9 ms per call), the free-slot
+`ServerInfo` (~0.45 ms per call), validation, packing and the HMAC (~30 us each), append +
+create_item (~40 us).
 
 Timeouts. Reverb cannot withdraw an item once it is sent: an insert that waits in the rate limiter
 lands whenever a slot frees, even after its writer is closed (checked here). So `write` first
@@ -80,10 +78,6 @@ _MIN_CONFIRM_S = 0.05
 _POLL_START_S = 0.001
 _POLL_MAX_S = 0.02
 _MIN_BUCKET = 16
-# How long a free-slot count may stand in for a new check (ServerInfo, ~0.3-0.5 ms) when the
-# table had room for the whole batch twice over: other writers may take slots meanwhile, and a
-# lost race only makes an item wait in the rate limiter (see the module doc).
-_FREE_HINT_TTL_S = 0.05
 
 
 class WriteResult(NamedTuple):
@@ -155,8 +149,6 @@ class RolloutWriter(core.RolloutSink):
         self._inserted = 0
         self._timeouts = 0
         self._unconfirmed = 0
-        self._free_hint = 0                  # free slots at the last check, minus sent since
-        self._free_hint_time = 0.0
         self._lock = threading.Lock()
         self._closed = False
 
@@ -222,60 +214,46 @@ class RolloutWriter(core.RolloutSink):
             if self._closed:
                 raise RuntimeError("RolloutWriter.write_many() after close()")
             results: List[WriteResult] = [NOT_SENT] * len(rollouts)
-            valid: List[Tuple[int, Dict[str, Any]]] = []
+            valid: List[Tuple[int, np.ndarray]] = []
             for i, rollout in enumerate(rollouts):
-                cols, reason = check_rollout(rollout, self.vocab_size, self.max_sequence_length)
+                columns, reason = self.validate(rollout)
                 if reason is None:
-                    valid.append((i, cols))
+                    valid.append((i, columns))
                 else:
                     self._reject(reason, rollout)
                     results[i] = WriteResult(False, False, reason)
             sent = 0
             while sent < len(valid):
-                left = len(valid) - sent
-                free = self._free_from_hint(left)
-                if free <= 0:
-                    free = int(self._wait_for_free_slot(deadline))
-                    self._free_hint, self._free_hint_time = free, time.monotonic()
+                free = int(self._wait_for_free_slot(deadline))
                 if free <= 0:
                     break
                 # The rest at once while the table has room for it twice over; nearer full
                 # (other actors compete for the slots) one per check, as `write` does, so a
                 # lost race leaves one rollout waiting in the rate limiter, not a batch.
+                left = len(valid) - sent
                 group = valid[sent:sent + (left if free >= 2 * left else 1)]
-                outcome = self._send_group([cols for _, cols in group], deadline)
-                for (i, _), result in zip(group, outcome):
-                    results[i] = result
-                    if result.rejected is not None:
-                        self._reject(result.rejected, rollouts[i])
-                handed = sum(r.inserted for r in outcome)
-                self._inserted += handed
-                self._free_hint -= handed
+                confirmed = self._send_group([packed for _, packed in group], deadline)
+                for (i, _), ok in zip(group, confirmed):
+                    results[i] = WriteResult(True, ok, None)
+                self._inserted += len(group)
                 sent += len(group)
-                if any(r.inserted and not r.confirmed for r in outcome):
-                    self._free_hint = 0   # the deadline passed waiting: send no more now
-                    break
+                if not confirmed[-1]:
+                    break   # the deadline passed waiting for this group: send no more now
             self._timeouts += len(valid) - sent
             return results
 
-    def _pack(self, cols: Dict[str, Any], padded_length: int) -> Optional[np.ndarray]:
-        """The signed item of checked columns padded to `padded_length` tokens; None if a scalar
-        does not fit the header (check_rollout has already packed the header once, so only a
-        value that changed since could)."""
+    def validate(self, rollout: Rollout) -> Tuple[Optional[np.ndarray], Optional[str]]:
+        """(the rollout's replay item, unpadded, signed, None) for a valid rollout, else
+        (None, reason): the checks of replay/validation.py, then the item (replay/item.py)."""
+        cols, reason = check_rollout(rollout, self.vocab_size, self.max_sequence_length)
+        if reason is not None:
+            return None, reason
         try:
-            return item.pack(cols, padded_length,
-                             self._signer.sign if self._signer is not None else None)
+            packed = item.pack(cols, int(cols["tokens"].shape[0]),
+                               self._signer.sign if self._signer is not None else None)
         except (struct.error, TypeError, ValueError, OverflowError):
-            return None
-
-    def _free_from_hint(self, wanted: int) -> int:
-        """Free slots as last seen minus what was sent since, when that check is under
-        _FREE_HINT_TTL_S old and leaves room for `wanted` twice over (the case that sends a
-        whole batch at once); else 0: check the table."""
-        if (self._free_hint >= 2 * wanted and not self._retired
-                and time.monotonic() - self._free_hint_time < _FREE_HINT_TTL_S):
-            return self._free_hint
-        return 0
+            return None, "malformed"   # a scalar outside its dtype's range, or not a number
+        return packed, None
 
     def _reject(self, reason: str, rollout: Any) -> None:
         self._rejected[reason] += 1
@@ -316,35 +294,26 @@ class RolloutWriter(core.RolloutSink):
     def _bucket(self, length: int) -> int:
         return int(self._buckets[np.searchsorted(self._buckets, length)])
 
-    def _send_group(self, group: List[Dict[str, Any]], deadline: float) -> List[WriteResult]:
-        """Packs the checked rollouts of `group`, each padded to the longest one's bucket and
-        signed, and appends it to that bucket's writer as soon as it is packed (Reverb sends it
-        while the next one is packed), then waits once for their confirmation (until the
-        deadline, at least _MIN_CONFIRM_S). Returns a WriteResult per rollout: the unconfirmed
-        ones (always the last ones: one stream lands its items in order) keep their writer
-        alive, retired, until they land, and later items use a fresh one."""
-        bucket = self._bucket(max(int(cols["tokens"].shape[0]) for cols in group))
-        size = item.item_bytes(bucket)
+    def _send_group(self, group: List[np.ndarray], deadline: float) -> List[bool]:
+        """Sends the items of `group` through the writer of the longest one's bucket, padded to
+        it, then waits once for their confirmation (until the deadline, at least
+        _MIN_CONFIRM_S). Returns, per item, whether replay confirmed it; the unconfirmed ones
+        (always the last ones: one stream lands its items in order) keep their writer alive,
+        retired, until they land, and later items use a fresh one."""
+        size = item.item_bytes(self._bucket(max(item.length_of(packed) for packed in group)))
         writer = self._writers.get(size)
         if writer is None:
             writer = self._client.trajectory_writer(num_keep_alive_refs=1)
             self._writers[size] = writer
-        outcome: List[WriteResult] = []
         try:
-            for cols in group:
-                packed = self._pack(cols, bucket)
-                if packed is None:
-                    outcome.append(WriteResult(False, False, "malformed"))
-                    continue
-                writer.append_item(self._table, [packed])
-                outcome.append(WriteResult(True, True, None))
+            for packed in group:
+                writer.append_item(self._table, [_padded(packed, size)])
             wait_s = max(deadline - time.monotonic(), _MIN_CONFIRM_S)
             writer.flush(timeout_ms=int(wait_s * 1000))
         except FlushTimeout:
             # Another writer took the slot: the items wait in the server's rate limiter and will
             # land. Keep this writer alive until they do; later items use a fresh one.
-            handed = [k for k, r in enumerate(outcome) if r.inserted]
-            waiting = _waiting_items(writer, len(handed))
+            waiting = _waiting_items(writer, len(group))
             self._writers.pop(size, None)
             self._retired.append(writer)
             self._retired_waiting.append(waiting)
@@ -352,15 +321,13 @@ class RolloutWriter(core.RolloutSink):
             logging.log_every_n(logging.WARNING, "RolloutWriter: insert not yet confirmed after "
                                 "the timeout (another writer took the free slot); it waits in "
                                 "replay's rate limiter and lands when the learner samples", 100)
-            for k in handed[len(handed) - waiting:]:
-                outcome[k] = WriteResult(True, False, None)
+            return [True] * (len(group) - waiting) + [False] * waiting
         except Exception as e:
             self._writers.pop(size, None)
-            self._free_hint = 0
             _close_quietly(writer)
             raise RuntimeError(f"RolloutWriter: inserting into table {self._table!r} at "
                                f"{self._client.server_address} failed: {e}") from e
-        return outcome
+        return [True] * len(group)
 
     def _retired_pending(self) -> int:
         """Our items still waiting in replay's rate limiter."""
@@ -409,6 +376,15 @@ class RolloutWriter(core.RolloutSink):
     def __repr__(self) -> str:
         return (f"RolloutWriter(table={self._table!r}, inserted={self._inserted}, "
                 f"timeouts={self._timeouts}, rejected={dict(self._rejected)})")
+
+
+def _padded(packed: np.ndarray, size: int) -> np.ndarray:
+    """`packed` zero-padded to `size` bytes (a new array unless it has that size)."""
+    if packed.shape[0] == size:
+        return packed
+    out = np.zeros(size, np.uint8)
+    out[:packed.shape[0]] = packed
+    return out
 
 
 def _waiting_items(writer: Any, sent: int) -> int:
