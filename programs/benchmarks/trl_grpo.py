@@ -185,11 +185,12 @@ class DatasetWorkload:
     template; the first prompt's ids are checked against the task's."""
 
     def __init__(self, args, tokenizer):
-        from sao_actor_learner.models.hf_tokenizer import HFTokenizer
+        from sao_actor_learner.models.hf_tokenizer import HFTokenizer, generation_eos_ids
         from sao_actor_learner.rewards import make_reward
         from sao_actor_learner.tasks.dataset import DatasetTask
 
-        self.tokenizer = HFTokenizer(tokenizer, extra_stop_ids=_generation_eos_ids(args))
+        self.tokenizer = HFTokenizer(tokenizer,
+                                     extra_stop_ids=generation_eos_ids(args.init_checkpoint))
         self.task = DatasetTask(self.tokenizer, args.train_files, args.eval_files,
                                 make_reward(args.reward), num_eval=args.eval_size,
                                 max_prompt_length=args.max_prompt_length, seed=args.task_seed)
@@ -218,11 +219,6 @@ class DatasetWorkload:
 
     def close(self) -> None:
         self.task.close()
-
-
-def _generation_eos_ids(args):
-    from sao_actor_learner.models.hf_tokenizer import generation_eos_ids
-    return generation_eos_ids(args.init_checkpoint)
 
 
 WORKLOADS = {"arithmetic": ArithmeticWorkload, "dataset": DatasetWorkload}

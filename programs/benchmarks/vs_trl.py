@@ -30,9 +30,10 @@ prompts with the same greedy evaluation (max_new_tokens tokens, the task's is_co
 Fairness: same sampling (temperature 1, top_p 1, the workload's max_new_tokens), fp32,
 grad-norm clip 1.0. SAO keeps the workload's recipe (arithmetic: policy_lr 5e-5 constant, the
 critic and DIS loss of `make run`; dataset: `make run-dataset`'s, whose value pretraining runs
-inside SAO's training clock and is reported as value_pretrain_s). TRL (constant lr) gets its learning rate and G tuned first: every (G, lr) of
---trl_group_sizes x --trl_lrs runs once (seed --tune_seed, --tune_budget_s of training); the one
-that reaches the threshold soonest (training clock) is measured. A grid of one is not tuned.
+inside SAO's training clock and is reported as value_pretrain_s). TRL (constant lr) gets its
+learning rate and G tuned first: every (G, lr) of --trl_group_sizes x --trl_lrs runs once (seed
+--tune_seed, --tune_budget_s of training); the one that reaches the threshold soonest (training
+clock) is measured. A grid of one is not tuned.
 
 Clocks (evaluation excluded on both sides):
   time to threshold  from the start of training to the moment the first policy that scored
