@@ -1,6 +1,6 @@
 """The reproduction study: the paper's claims and the referee's points, with seeds and 95% CIs.
 
-  python programs/study.py --preset=all --out_dir=runs/study --results_dir=results   # ~3 h
+  python programs/study.py --preset=all --workers=2 --out_dir=runs/study --results_dir=results
   python programs/study.py --preset=single_rollout --out_dir=runs/study --results_dir=results
   python programs/study.py --preset=smoke --out_dir=/tmp/study                        # ~1 min
 
@@ -28,6 +28,8 @@ paths: --dataset_dir, --dataset_model); the gae study checkpoints/warm_start_cal
 Every other SAOConfig field is a flag; a flag given on the command line applies to every run
 of every study named (and so makes new cells).
 
+--workers=N runs N cells at once, each in a process of its own (programs/studies/pool.py; a
+local_mt cell keeps about one core busy), then builds the tables as a one-at-a-time run would.
 Resumable: every run is a folder <out_dir>/runs/<cell> and a cell whose folder holds a
 summary.json made by the same config is never run again, whichever study asked for it; run the
 same command again after an interruption. Outputs per study in <out_dir>/<study>/ (copied to
@@ -48,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from programs import sweeps  # noqa: E402
 from programs.studies import plots as study_plots  # noqa: E402
+from programs.studies import pool as study_pool  # noqa: E402
 from programs.studies import presets as studies  # noqa: E402
 from sao_actor_learner.builder import make_program  # noqa: E402
 from sao_actor_learner.config import ConfigError, SAOConfig  # noqa: E402
@@ -69,6 +72,9 @@ flags.DEFINE_string("dataset_dir", studies.DATASET_DIR, "The dataset studies' da
                     "train.parquet and test.parquet in verl's schema.")
 flags.DEFINE_string("dataset_model", studies.DATASET_MODEL, "The dataset studies' warm start "
                     "(a Hugging Face model directory).")
+flags.DEFINE_integer("workers", 1, "Cells run at once, each in its own process "
+                     "(programs/studies/pool.py): a local_mt cell keeps about one core busy, so "
+                     "2 on a 2-core machine.", lower_bound=1)
 flags.DEFINE_bool("progress", True, "Show progress.")
 FLAGS = flags.FLAGS
 
@@ -127,22 +133,26 @@ def code_version() -> dict:
             "modified_files": len(status.splitlines()) if status else 0}
 
 
-def run_study(study, plans, earlier_cells) -> dict:
+def run_study(study, plans, earlier_cells, unfinished, side_by_side_s=0.0) -> dict:
+    """Runs the study's unfinished cells (one at a time), writes its tables, figures and
+    study.json. `unfinished`: the run folders that were unfinished when this invocation began
+    (a cell of an earlier study of the same invocation is not counted as run by this one);
+    side_by_side_s: how long this invocation's --workers pass took (all studies together)."""
     out = studies.study_dir(FLAGS.out_dir, study)
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
     records, curves, shifts, ran, cells_wall = [], [], [], 0, 0.0
     for base, items in plans:
-        if any(sweeps._finished_summary(config) is None for _, _, config in items):
+        if any(sweeps.finished_summary(config) is None for _, _, config in items):
             check_before_launch(base)
-        before = sum(sweeps._finished_summary(c) is None for _, _, c in items)
         rows = sweeps.run_cells([c for _, c, _ in items], base, FLAGS.out_dir,
                                 lambda config: run_program(config, make_program,
                                                            progress=FLAGS.progress),
                                 progress=FLAGS.progress,
                                 csv_name=os.path.join(study.name, "results.csv"),
                                 record_name=os.path.join(study.name, f"sweep_{base.task}.json"))
-        ran += before
+        ran += sum(1 for _, c, config in items
+                   if config.run_dir in unfinished and c.name not in earlier_cells)
         for (variant, cell, config), row in zip(items, rows):
             rec = studies.run_record(study, variant, row, config)
             records.append(rec)
@@ -168,6 +178,7 @@ def run_study(study, plans, earlier_cells) -> dict:
     elapsed = time.time() - t0
     with open(os.path.join(out, "invocations.jsonl"), "a") as f:
         f.write(json.dumps({"started": t0, "elapsed_s": elapsed, "cells_run_now": ran,
+                            "workers": FLAGS.workers, "side_by_side_s": side_by_side_s,
                             **code_version()}) + "\n")
     with open(os.path.join(out, "invocations.jsonl")) as f:
         history = [json.loads(line) for line in f if line.strip()]
@@ -194,6 +205,25 @@ def run_study(study, plans, earlier_cells) -> dict:
     return info
 
 
+def run_side_by_side(configs, chosen) -> float:
+    """--workers > 1: every unfinished cell of every chosen study (each once, in study order),
+    FLAGS.workers at a time in processes of their own; run_study then finds them finished."""
+    dirs = {c.run_dir for c in configs}
+    try:
+        for _, plans in chosen:   # invalid workloads fail before anything is launched
+            for base, items in plans:
+                if any(c.run_dir in dirs for _, _, c in items):
+                    check_before_launch(base)
+    except ConfigError as e:
+        sys.exit(f"invalid configuration: {e}")
+    print(f"running {len(configs)} cells, {FLAGS.workers} at a time; logs in "
+          f"{os.path.join(FLAGS.out_dir, 'logs')}")
+    t0 = time.time()
+    study_pool.run_in_processes(configs, FLAGS.workers, os.path.join(FLAGS.out_dir, "logs"),
+                                progress=FLAGS.progress)
+    return time.time() - t0
+
+
 def main(argv):
     del argv
     try:
@@ -207,10 +237,20 @@ def main(argv):
         check_names([p for _, plans in chosen for p in plans])
     except ConfigError as e:
         sys.exit(f"invalid configuration: {e}")
+    configs = {}
+    for _, plans in chosen:
+        for _, items in plans:
+            for _, _, config in items:
+                configs.setdefault(config.run_dir, config)
+    unfinished = {d for d, c in configs.items() if sweeps.finished_summary(c) is None}
+    side_by_side_s = 0.0
+    if FLAGS.workers > 1 and unfinished:
+        side_by_side_s = run_side_by_side([c for d, c in configs.items() if d in unfinished],
+                                          chosen)
     failed, earlier = 0, set()
     for study, plans in chosen:
         try:
-            info = run_study(study, plans, earlier)
+            info = run_study(study, plans, earlier, unfinished, side_by_side_s)
         except ConfigError as e:
             sys.exit(f"invalid configuration ({study.name}): {e}")
         failed += info["failed"]

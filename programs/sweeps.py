@@ -201,7 +201,7 @@ def read_csv(path: str) -> List[Dict]:
 
 
 # --- running a sweep --------------------------------------------------------------------------------
-def _finished_summary(config: SAOConfig) -> Optional[Dict]:
+def finished_summary(config: SAOConfig) -> Optional[Dict]:
     """The summary of an earlier run of exactly this config, if there is one (resuming)."""
     summary_path = os.path.join(config.run_dir, "summary.json")
     config_path = os.path.join(config.run_dir, "config.json")
@@ -240,7 +240,7 @@ def run_cells(cells: Sequence[Cell], base: SAOConfig, out_dir: str, run_fn: Call
     ran = 0
     for i, cell in enumerate(cells):
         config = cell.config(base, out_dir)
-        done = _finished_summary(config)
+        done = finished_summary(config)
         if done is not None:
             rows.append(result_row(cell, config, done))
             if progress:
@@ -253,7 +253,7 @@ def run_cells(cells: Sequence[Cell], base: SAOConfig, out_dir: str, run_fn: Call
             if ran:
                 per = (time.time() - t0) / ran
                 left = sum(1 for c in cells[i:]
-                           if _finished_summary(c.config(base, out_dir)) is None)
+                           if finished_summary(c.config(base, out_dir)) is None)
                 eta = f", about {per * left / 60:.1f} min left"
             out.write(f"[{_bar(i, len(cells))}] {i + 1}/{len(cells)} {cell.name}"
                       f" ({time.time() - t0:.0f}s elapsed{eta})\n")

@@ -2,6 +2,7 @@
 figures (from finished runs written here, nothing trained), and the smoke preset runs for real
 and resumes without rerunning finished cells. Output format only, never a learning outcome."""
 import csv
+import io
 import json
 import os
 import random
@@ -147,7 +148,8 @@ def test_smoke_preset_runs_and_resumes_without_rerunning_finished_cells(warm_sta
     out = str(tmp_path / "smoke")
     study = studies.STUDIES["smoke"]
     args = ("--preset=smoke", f"--out_dir={out}", f"--init_checkpoint={warm_start}")
-    run_study(*args)
+    first = run_study(*args, "--workers=2")   # side by side (studies/pool.py); then one at a time
+    assert f"running {len(study.variants) * len(study.seeds)} cells, 2 at a time" in first
     folder = os.path.join(out, "smoke")
     results, summary, curves, info = assert_outputs(folder, study)
     assert info["cells_run_all_invocations"] == len(results)
@@ -168,4 +170,26 @@ def test_smoke_preset_runs_and_resumes_without_rerunning_finished_cells(warm_sta
     third = run_study(*args)
     assert f"{len(results)} runs (1 run now, 0 failed)" in third
     with open(os.path.join(folder, "invocations.jsonl")) as f:
-        assert [json.loads(line)["cells_run_now"] for line in f] == [len(results), 0, 1]
+        history = [json.loads(line) for line in f]
+    assert [h["cells_run_now"] for h in history] == [len(results), 0, 1]
+    assert [h["workers"] for h in history] == [2, 1, 1]
+    assert history[0]["side_by_side_s"] > 0 and history[1]["side_by_side_s"] == 0
+    for r in results:   # every side-by-side cell left its log and the config it ran
+        name = os.path.basename(r["run_dir"])
+        assert os.path.getsize(os.path.join(out, "logs", f"{name}.log")) > 0
+        with open(os.path.join(out, "logs", f"{name}.config.json")) as f:
+            assert SAOConfig.from_json(f.read()).run_dir == r["run_dir"]
+
+
+def test_pool_reports_a_failed_cell_by_its_exit_status_and_refuses_shared_folders(tmp_path):
+    from programs.studies import pool
+    bad = SAOConfig(run_dir=str(tmp_path / "runs" / "bad"),
+                    init_checkpoint=str(tmp_path / "no_such_checkpoint"))
+    with pytest.raises(ValueError, match="share a run_dir"):
+        pool.run_in_processes([bad, bad], 2, str(tmp_path / "logs"))
+    out = io.StringIO()
+    status = pool.run_in_processes([bad], 2, str(tmp_path / "logs"), out=out)
+    assert status[bad.run_dir] != 0
+    assert "bad: failed (exit" in out.getvalue()
+    with open(tmp_path / "logs" / "bad.log") as f:
+        assert "no_such_checkpoint" in f.read()   # the child's own error, kept in its log
