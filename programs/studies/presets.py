@@ -127,6 +127,28 @@ def _asynchrony() -> Study:
                  "staleness", vs, DATASET_BASE, comparisons=comps, param_name="staleness k")
 
 
+# The same question where the policy moves 6-7x further per version: make run-dataset's learning
+# rates (policy and critic 2e-4) and the two ends of the staleness range. At the main studies'
+# 3e-5 the KL between a rollout's policy and the learner's stays ~1e-4 even at k = 8, too little
+# drift for a correction to matter (docs/REPRODUCTION.md, "Asynchrony").
+STRESS_LR = 2e-4
+STRESS_STALENESS = (0, 8)
+
+
+def _asynchrony_stress() -> Study:
+    vs = tuple(Variant(f"{m}_k{k}", f"{label} k={k}", m, shape, k, "forced", tag="lr2e-4",
+                       series=label, param=k)
+               for m, label, shape in ASYNC_METHODS for k in STRESS_STALENESS)
+    comps = tuple((f"sao_k{k}", f"{m}_k{k}") for k in STRESS_STALENESS
+                  for m in ("grpo", "grpo_dis"))
+    comps += tuple((f"{m}_k{STRESS_STALENESS[-1]}", f"{m}_k0") for m, _, _ in ASYNC_METHODS)
+    base = tuple((k, v) for k, v in DATASET_BASE if k not in ("policy_lr", "critic_lr")) + (
+        ("policy_lr", STRESS_LR), ("critic_lr", STRESS_LR))
+    return Study("asynchrony_stress", f"Forced staleness at lr {STRESS_LR:g}: SAO against GRPO "
+                 "(PPO-clip) and GRPO + DIS", "staleness", vs, base, comparisons=comps,
+                 param_name="staleness k")
+
+
 ABLATION_K = 4    # the off-policy corrections are compared where they have stale tokens to act on
 
 
@@ -196,11 +218,12 @@ def _smoke() -> Study:
 
 
 STUDIES: Dict[str, Study] = {s.name: s for s in (
-    _single_rollout(), _asynchrony(), _ablations(), _gae(), _value_pretrain(), _online_shift(),
+    _single_rollout(), _asynchrony(), _asynchrony_stress(), _ablations(), _gae(), _value_pretrain(), _online_shift(),
     _smoke())}
 # Where a variant runs on another workload than its study's base (none at present).
 VARIANT_BASES: Dict[Tuple[str, str], Tuple[Tuple[str, object], ...]] = {}
-FULL = ("single_rollout", "asynchrony", "ablations", "gae", "value_pretrain", "online_shift")
+FULL = ("single_rollout", "asynchrony", "asynchrony_stress", "ablations", "gae", "value_pretrain",
+        "online_shift")
 
 
 def base_of(study: Study, variant: Variant) -> Tuple[Tuple[str, object], ...]:
