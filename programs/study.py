@@ -1,7 +1,8 @@
 """The reproduction study: the paper's claims and the referee's points, with seeds and 95% CIs.
 
-  python programs/study.py --preset=all --workers=2 --out_dir=runs/study --results_dir=results
-  python programs/study.py --preset=single_rollout --out_dir=runs/study --results_dir=results
+  python programs/study.py --preset=all --workers=2 --out_dir=runs/study \
+      --results_dir=results/study                                                  # ~85 min
+  python programs/study.py --preset=single_rollout --out_dir=runs/study
   python programs/study.py --preset=smoke --out_dir=/tmp/study                        # ~1 min
 
 Presets (programs/studies/presets.py):
@@ -11,13 +12,15 @@ Presets (programs/studies/presets.py):
                   wall-clock.
   asynchrony      forced staleness k in {0, 2, 4, 8} for SAO, GRPO (PPO-clip), GRPO + DIS:
                   final accuracy, KL, masked fraction, ESS, collapse and its step.
+  asynchrony_stress  the same at k in {0, 8} with learning rates 2e-4 (the policy drifts
+                  further per version).
   ablations       DIS / PPO-clip / TIS / no correction (at k = 4); frozen-attention vs full
                   critic; K = 1 vs 2.
   gae             skip-observation vs standard GAE on the multi-turn calculator_tool task.
   value_pretrain  explained variance and accuracy vs value_pretrain_steps.
   online_shift    task=online_shift, the reward rule flips every 40 versions: steps to
                   recover 75% of the pre-shift held-out accuracy, per method.
-  all             the six above, in that order (cells two studies share run once).
+  all             the seven above, in that order (cells two studies share run once).
   smoke           2 variants x 3 seeds x 2 steps on the arithmetic task: output format only.
 A comma-separated list of study names also works.
 
@@ -66,7 +69,7 @@ flags.DEFINE_string("preset", "all", "A study (" + ", ".join(studies.STUDIES) + 
                     "separated list of them, or all.")
 flags.DEFINE_string("out_dir", "runs/study", "Where runs/ and each study's outputs go.")
 flags.DEFINE_string("results_dir", "", "Also copy each study's CSV, JSON, Markdown and PNG "
-                    "files to <results_dir>/<study>/ (e.g. results).")
+                    "files to <results_dir>/<study>/ (e.g. results/study).")
 flags.DEFINE_list("seeds", [], "Seeds of every study (default: the study's own, 3 of them).")
 flags.DEFINE_string("dataset_dir", studies.DATASET_DIR, "The dataset studies' data: "
                     "train.parquet and test.parquet in verl's schema.")
@@ -133,16 +136,20 @@ def code_version() -> dict:
             "modified_files": len(status.splitlines()) if status else 0}
 
 
-def run_study(study, plans, earlier_cells, unfinished, side_by_side_s=0.0) -> dict:
+def run_study(study, plans, earlier_cells, ran_side_by_side=frozenset(),
+              side_by_side_s=0.0) -> dict:
     """Runs the study's unfinished cells (one at a time), writes its tables, figures and
-    study.json. `unfinished`: the run folders that were unfinished when this invocation began
-    (a cell of an earlier study of the same invocation is not counted as run by this one);
-    side_by_side_s: how long this invocation's --workers pass took (all studies together)."""
+    study.json. A cell counts as run by this study when this invocation ran it, here or in its
+    --workers pass (`ran_side_by_side`: those run folders; side_by_side_s: how long that pass
+    took, all studies together), and no earlier study of the invocation holds it."""
     out = studies.study_dir(FLAGS.out_dir, study)
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
     records, curves, shifts, ran, cells_wall = [], [], [], 0, 0.0
     for base, items in plans:
+        to_run = {config.run_dir for _, c, config in items
+                  if c.name not in earlier_cells and (config.run_dir in ran_side_by_side
+                                                      or sweeps.finished_summary(config) is None)}
         if any(sweeps.finished_summary(config) is None for _, _, config in items):
             check_before_launch(base)
         rows = sweeps.run_cells([c for _, c, _ in items], base, FLAGS.out_dir,
@@ -151,8 +158,7 @@ def run_study(study, plans, earlier_cells, unfinished, side_by_side_s=0.0) -> di
                                 progress=FLAGS.progress,
                                 csv_name=os.path.join(study.name, "results.csv"),
                                 record_name=os.path.join(study.name, f"sweep_{base.task}.json"))
-        ran += sum(1 for _, c, config in items
-                   if config.run_dir in unfinished and c.name not in earlier_cells)
+        ran += len(to_run)
         for (variant, cell, config), row in zip(items, rows):
             rec = studies.run_record(study, variant, row, config)
             records.append(rec)
@@ -243,14 +249,15 @@ def main(argv):
             for _, _, config in items:
                 configs.setdefault(config.run_dir, config)
     unfinished = {d for d, c in configs.items() if sweeps.finished_summary(c) is None}
-    side_by_side_s = 0.0
+    side_by_side_s, ran_side_by_side = 0.0, frozenset()
     if FLAGS.workers > 1 and unfinished:
         side_by_side_s = run_side_by_side([c for d, c in configs.items() if d in unfinished],
                                           chosen)
+        ran_side_by_side = frozenset(unfinished)
     failed, earlier = 0, set()
     for study, plans in chosen:
         try:
-            info = run_study(study, plans, earlier, unfinished, side_by_side_s)
+            info = run_study(study, plans, earlier, ran_side_by_side, side_by_side_s)
         except ConfigError as e:
             sys.exit(f"invalid configuration ({study.name}): {e}")
         failed += info["failed"]

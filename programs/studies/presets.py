@@ -9,11 +9,11 @@ finished cell is never run again (sweeps.run_cells).
 The workload of the main studies is the GSM8K-style word-problem dataset (task=dataset) from
 its SFT warm start; the online-shift study runs task=online_shift (the only task whose reward
 rule changes) and the GAE ablation task=calculator_tool (the only multi-turn task, where
-skip-observation and standard GAE differ). Sizes were calibrated so that the whole grid fits
-about 3 hours on 2 CPU cores and held-out accuracy still rises at the end of the main runs
-(docs/REPRODUCTION.md, "Scale").
+skip-observation and standard GAE differ). Sizes were calibrated so that held-out accuracy
+still rises at the end of the main runs and the whole grid (143 runs, ~3.2 h one at a time)
+takes ~85 min with `--workers=2` on 2 CPU cores (docs/REPRODUCTION.md, "Scale" and the run log).
 
-Per study (`<out_dir>/<study>/`, copied to results/<study>/): results.csv (one row per run),
+Per study (`<out_dir>/<study>/`, copied to <results_dir>/<study>/, e.g. results/study/): results.csv (one row per run),
 curves.csv (one row per run and learner step), summary.csv (per variant: mean and 95% t
 interval over seeds of each metric), comparisons.csv (differences of means with Welch
 intervals and a verdict), summary.md (the two as tables), study.json (sizes and durations)
@@ -93,7 +93,10 @@ SMOKE_BASE = (
     ("num_actors", 1), ("actor_batch", 4), ("launch", "local_mt"),
     ("replay_checkpoints", False))
 
-CHEAP_SEEDS = (0, 1, 2, 3, 4)   # the arithmetic-sized studies (a cell takes ~30 s) get 5 seeds
+# The studies on the small character-level tasks (gae, online_shift: a cell takes ~20 s) get 10
+# seeds. They were run with 5 first and given 5 more after those results were seen
+# (docs/REPRODUCTION.md says so where it matters).
+CHEAP_SEEDS = tuple(range(10))
 B, G = 8, 4       # SAO's B x 1 against GRPO's (B/G) x G, scaled down from 128 x 1 and 16 x 8
 SAO = Variant("sao", f"SAO {B}x1", "sao", f"{B}x1")
 
@@ -414,7 +417,11 @@ def comparison_rows(study: Study, records: Sequence[Dict]) -> List[Dict]:
 
 
 def _fmt(x, digits: int = 3) -> str:
-    return "-" if x is None or x == "" else f"{float(x):.{digits}f}"
+    """`digits` decimals; a value too small to show in them (a KL of 1e-4) in scientific form."""
+    if x is None or x == "":
+        return "-"
+    x = float(x)
+    return f"{x:.1e}" if 0 < abs(x) < 0.5 * 10 ** -digits else f"{x:.{digits}f}"
 
 
 def _ci(row: Dict, m: str, digits: int = 3) -> str:
