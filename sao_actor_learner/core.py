@@ -295,7 +295,8 @@ class RolloutSink(abc.ABC):
         table stayed full until `timeout_s` and nothing was sent: send it again later)."""
 
     def close(self) -> None:
-        """Releases connections."""
+        """Releases connections. The actor that was given the sink calls it once, when its run
+        ends; nothing is sent after it."""
 
 
 class RolloutSource(abc.ABC):

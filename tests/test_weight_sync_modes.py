@@ -82,6 +82,7 @@ def test_a_version_published_mid_generation_reaches_the_rollouts_in_flight(
 
     actor.run()   # one batch of BATCH rollouts, then returns
     assert seen == [SWITCH_AT] and len(sink.sent) == BATCH
+    assert sink.closed   # the actor closes what it owns (an open Reverb writer hangs at exit)
     expected = {"keep": [0] * SWITCH_AT + [1] * (LONG - SWITCH_AT), "abort": [1] * LONG,
                 "off": [0] * LONG}[mode]
     for r in sink.sent:

@@ -55,14 +55,19 @@ class ListSink(core.RolloutSink):
     def __init__(self, max_sequence_length: int):
         self.max_sequence_length = max_sequence_length
         self.sent = []
+        self.closed = False
 
     def check(self, rollout):
         return check_columns(rollout_columns(rollout), TOK.vocab_size,
                              self.max_sequence_length)[1]
 
     def send(self, rollouts, timeout_s):
+        assert not self.closed, "a rollout sent to a closed sink"
         self.sent.extend(rollouts)
         return [True] * len(rollouts)
+
+    def close(self):
+        self.closed = True
 
 
 class Versions:

@@ -359,6 +359,10 @@ class Actor(core.Worker):
                 self._stop.set()
                 self._feeder.join(timeout=60.0)
             self._task.close()
+            # The actor owns its sink. A Reverb writer left open is flushed by its C++
+            # destructor with no timeout: collected at interpreter exit, after replay has
+            # stopped, it waited forever for a confirmation (a hang, 1 exit in ~60).
+            self._sink.close()
         self._write_stats()
 
     def _run(self) -> None:
