@@ -147,10 +147,11 @@ def run_study(study, plans, earlier_cells, ran_side_by_side=frozenset(),
     t0 = time.time()
     records, curves, shifts, ran, cells_wall = [], [], [], 0, 0.0
     for base, items in plans:
-        to_run = {config.run_dir for _, c, config in items
-                  if c.name not in earlier_cells and (config.run_dir in ran_side_by_side
-                                                      or sweeps.finished_summary(config) is None)}
-        if any(sweeps.finished_summary(config) is None for _, _, config in items):
+        unfinished = {config.run_dir for _, _, config in items
+                      if sweeps.finished_summary(config) is None}
+        ran += sum(1 for _, c, config in items if c.name not in earlier_cells
+                   and (config.run_dir in unfinished or config.run_dir in ran_side_by_side))
+        if unfinished:
             check_before_launch(base)
         rows = sweeps.run_cells([c for _, c, _ in items], base, FLAGS.out_dir,
                                 lambda config: run_program(config, make_program,
@@ -158,7 +159,6 @@ def run_study(study, plans, earlier_cells, ran_side_by_side=frozenset(),
                                 progress=FLAGS.progress,
                                 csv_name=os.path.join(study.name, "results.csv"),
                                 record_name=os.path.join(study.name, f"sweep_{base.task}.json"))
-        ran += len(to_run)
         for (variant, cell, config), row in zip(items, rows):
             rec = studies.run_record(study, variant, row, config)
             records.append(rec)
@@ -243,17 +243,17 @@ def main(argv):
         check_names([p for _, plans in chosen for p in plans])
     except ConfigError as e:
         sys.exit(f"invalid configuration: {e}")
-    configs = {}
-    for _, plans in chosen:
-        for _, items in plans:
-            for _, _, config in items:
-                configs.setdefault(config.run_dir, config)
-    unfinished = {d for d, c in configs.items() if sweeps.finished_summary(c) is None}
     side_by_side_s, ran_side_by_side = 0.0, frozenset()
-    if FLAGS.workers > 1 and unfinished:
-        side_by_side_s = run_side_by_side([c for d, c in configs.items() if d in unfinished],
-                                          chosen)
-        ran_side_by_side = frozenset(unfinished)
+    if FLAGS.workers > 1:
+        configs = {}   # run_dir -> config: a cell two studies share runs once
+        for _, plans in chosen:
+            for _, items in plans:
+                for _, _, config in items:
+                    configs.setdefault(config.run_dir, config)
+        unfinished = [c for c in configs.values() if sweeps.finished_summary(c) is None]
+        if unfinished:
+            side_by_side_s = run_side_by_side(unfinished, chosen)
+            ran_side_by_side = frozenset(c.run_dir for c in unfinished)
     failed, earlier = 0, set()
     for study, plans in chosen:
         try:
