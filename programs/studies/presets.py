@@ -120,14 +120,22 @@ ASYNC_METHODS = (("sao", "SAO", f"{B}x1"), ("grpo", "GRPO (PPO-clip)", f"{B // G
                  ("grpo_dis", "GRPO + DIS", f"{B // G}x{G}"))
 
 
+def _staleness_study(name: str, title: str, staleness: Sequence[int],
+                     base: Tuple[Tuple[str, object], ...], tag: str = "") -> Study:
+    """Forced staleness k in `staleness` for every ASYNC_METHODS method; SAO against each GRPO
+    at every k, and every method's largest k against k = 0."""
+    vs = tuple(Variant(f"{m}_k{k}", f"{label} k={k}", m, shape, k, "forced", tag=tag,
+                       series=label, param=k)
+               for m, label, shape in ASYNC_METHODS for k in staleness)
+    comps = tuple((f"sao_k{k}", f"{m}_k{k}") for k in staleness for m in ("grpo", "grpo_dis"))
+    comps += tuple((f"{m}_k{staleness[-1]}", f"{m}_k0") for m, _, _ in ASYNC_METHODS)
+    return Study(name, title, "staleness", vs, base, comparisons=comps,
+                 param_name="staleness k")
+
+
 def _asynchrony() -> Study:
-    vs = tuple(Variant(f"{m}_k{k}", f"{label} k={k}", m, shape, k, "forced", series=label,
-                       param=k)
-               for m, label, shape in ASYNC_METHODS for k in STALENESS)
-    comps = tuple((f"sao_k{k}", f"{m}_k{k}") for k in STALENESS for m in ("grpo", "grpo_dis"))
-    comps += tuple((f"{m}_k{STALENESS[-1]}", f"{m}_k0") for m, _, _ in ASYNC_METHODS)
-    return Study("asynchrony", "Forced staleness k: SAO against GRPO (PPO-clip) and GRPO + DIS",
-                 "staleness", vs, DATASET_BASE, comparisons=comps, param_name="staleness k")
+    return _staleness_study("asynchrony", "Forced staleness k: SAO against GRPO (PPO-clip) and "
+                            "GRPO + DIS", STALENESS, DATASET_BASE)
 
 
 # The same question where the policy moves 6-7x further per version: make run-dataset's learning
@@ -139,17 +147,12 @@ STRESS_STALENESS = (0, 8)
 
 
 def _asynchrony_stress() -> Study:
-    vs = tuple(Variant(f"{m}_k{k}", f"{label} k={k}", m, shape, k, "forced", tag="lr2e-4",
-                       series=label, param=k)
-               for m, label, shape in ASYNC_METHODS for k in STRESS_STALENESS)
-    comps = tuple((f"sao_k{k}", f"{m}_k{k}") for k in STRESS_STALENESS
-                  for m in ("grpo", "grpo_dis"))
-    comps += tuple((f"{m}_k{STRESS_STALENESS[-1]}", f"{m}_k0") for m, _, _ in ASYNC_METHODS)
     base = tuple((k, v) for k, v in DATASET_BASE if k not in ("policy_lr", "critic_lr")) + (
         ("policy_lr", STRESS_LR), ("critic_lr", STRESS_LR))
-    return Study("asynchrony_stress", f"Forced staleness at lr {STRESS_LR:g}: SAO against GRPO "
-                 "(PPO-clip) and GRPO + DIS", "staleness", vs, base, comparisons=comps,
-                 param_name="staleness k")
+    # tag: another workload than the asynchrony study's cells of the same method and k
+    return _staleness_study("asynchrony_stress", f"Forced staleness at lr {STRESS_LR:g}: SAO "
+                            "against GRPO (PPO-clip) and GRPO + DIS", STRESS_STALENESS, base,
+                            tag="lr2e-4")
 
 
 ABLATION_K = 4    # the off-policy corrections are compared where they have stale tokens to act on
