@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED := 1
 
 venv: $(STAMP)
 
-$(STAMP): setup.py protos/*.proto Makefile
+$(STAMP): setup.py protos/*.proto sao_actor_learner/replay/*.c Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=23" "setuptools>=68,<80" wheel
 	$(PY) -m pip install -q "torch==2.13.0" "dm-reverb[tensorflow]==0.14.0" "grpcio-tools==1.62.3" \

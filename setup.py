@@ -9,7 +9,7 @@ import pathlib
 import subprocess
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.develop import develop
 
@@ -86,5 +86,10 @@ setup(
         # The "math_verify" reward (sao_actor_learner/rewards/).
         "math": ["math-verify[antlr4_13_2]>=0.9,<0.10"],
     },
+    # The replay item's one-pass checks and packing (sao_actor_learner/replay/_itemfast.c).
+    # Optional: without a C compiler the install goes on and the numpy versions run instead.
+    ext_modules=[Extension("sao_actor_learner.replay._itemfast",
+                           ["sao_actor_learner/replay/_itemfast.c"],
+                           extra_compile_args=["-O3"], optional=True)],
     cmdclass={"build_py": BuildPyWithStubs, "develop": DevelopWithStubs},
 )

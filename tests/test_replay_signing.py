@@ -129,9 +129,12 @@ def test_item_layout_round_trips_and_refuses_what_is_not_an_item():
     buf = packed(cols, RolloutSigner(SECRET), padded_length=16)
     assert buf.dtype == np.uint8 and buf.shape == (item.item_bytes(16),)
     parsed = item.parse(buf)
-    for name in TOKEN_COLUMNS + SCALAR_COLUMNS:
+    for name in TOKEN_COLUMNS:
         np.testing.assert_array_equal(parsed.columns[name], cols[name], err_msg=name)
         assert parsed.columns[name].dtype == cols[name].dtype, name
+    for name in SCALAR_COLUMNS:   # Python numbers, equal to the columns' values
+        assert type(parsed.columns[name]) in (int, float), name
+        assert parsed.columns[name] == cols[name].item(), name
     assert parsed.columns["tokens"].base is not None        # a view, not a copy
     for bad in (buf.astype(np.int32), buf[None], buf[:40], np.zeros_like(buf),
                 np.concatenate([buf[:4], np.full(4, 255, np.uint8), buf[8:]]),   # length -1

@@ -19,7 +19,9 @@ column laid out as
 
 The 4-byte columns start at multiples of 4, so the reader's columns are aligned zero-copy views
 into the sampled array. The signature covers the header and every column in one contiguous span
-(one C call to sign, one to verify). Pure numpy + struct: no Reverb or TensorFlow here.
+(one C call to sign, one to verify). Pure numpy + struct: no Reverb or TensorFlow here; the
+column copies of `pack` and the value checks of replay/validation.py run in one C pass each
+(`native`, replay/_itemfast.c, built by setup.py) where it was built.
 """
 from __future__ import annotations
 
@@ -28,6 +30,11 @@ import struct
 from typing import Dict, NamedTuple, Optional
 
 import numpy as np
+
+try:
+    from sao_actor_learner.replay import _itemfast as native
+except ImportError:   # not built (no C compiler at install time): the numpy code runs instead
+    native = None
 
 MAGIC = b"SAO1"
 HEADER_BYTES = 64
@@ -53,9 +60,9 @@ def item_bytes(length: int) -> int:
 
 
 class Parsed(NamedTuple):
-    """An item split into its parts: `columns` are views into the item (per-token columns and
-    the scalars as numpy scalars of types.SCALAR_DTYPES), `signed` the span the signature
-    covers, `signature` the stored one."""
+    """An item split into its parts: `columns` are views into the item (per-token columns;
+    the scalars as Python ints and floats, in the ranges of types.SCALAR_DTYPES), `signed` the
+    span the signature covers, `signature` the stored one."""
     columns: Dict[str, np.ndarray]
     signed: memoryview
     signature: bytes
@@ -77,23 +84,33 @@ def length_of(item: np.ndarray) -> int:
 
 
 def pack(cols: Dict[str, np.ndarray], padded_length: int,
-         sign: Optional["callable"] = None) -> np.ndarray:
+         sign: Optional["callable"] = None, header_bytes: Optional[bytes] = None) -> np.ndarray:
     """The item of exact-dtype columns (replay/validation.py check_columns' output) padded to
-    `padded_length` tokens; `sign(memoryview) -> 32 bytes` fills the signature (None: zeros).
-    Raises struct.error for scalars outside their dtype's range, TypeError for a non-integer
-    id or a non-number time."""
+    `padded_length` tokens; `sign(memoryview) -> 32 bytes` fills the signature (None: zeros);
+    `header_bytes`: the columns' header() if already made. Raises struct.error for scalars outside
+    their dtype's range, TypeError for a non-integer id or a non-number time."""
     length = int(cols["tokens"].shape[0])
     if padded_length < length:
         raise ValueError(f"padded_length={padded_length} < the rollout's {length} tokens")
+    if header_bytes is None:
+        header_bytes = header(cols, length)
     buf = np.zeros(item_bytes(padded_length), np.uint8)
-    buf[:HEADER.size] = np.frombuffer(header(cols, length), np.uint8)
-    offset = HEADER_BYTES
-    for name, dtype in BODY_COLUMNS:
-        size = length * np.dtype(dtype).itemsize
-        buf[offset:offset + size].view(dtype)[:] = cols[name]
-        offset += size
+    view = buf.data
+    view[:HEADER.size] = header_bytes
+    offset = -1
+    if native is not None:
+        try:
+            offset = native.pack(buf, *(cols[name] for name, _ in BODY_COLUMNS))
+        except (BufferError, ValueError):   # a strided (non-contiguous) column
+            pass
+    if offset < 0:
+        offset = HEADER_BYTES
+        for name, dtype in BODY_COLUMNS:
+            size = length * np.dtype(dtype).itemsize
+            buf[offset:offset + size].view(dtype)[:] = cols[name]
+            offset += size
     if sign is not None:
-        buf[offset:offset + SIGNATURE_BYTES] = np.frombuffer(sign(buf.data[:offset]), np.uint8)
+        view[offset:offset + SIGNATURE_BYTES] = sign(view[:offset])
     return buf
 
 
@@ -117,8 +134,6 @@ def parse(item: np.ndarray) -> Parsed:
         size = length * np.dtype(dtype).itemsize
         columns[name] = item[offset:offset + size].view(dtype)
         offset += size
-    columns.update(prompt_id=np.int64(prompt_id), actor_id=np.int32(actor_id),
-                   group_id=np.int64(group_id), start_time=np.float64(start_time),
-                   end_time=np.float64(end_time), truncated=np.int8(truncated),
-                   seq=np.int64(seq))
+    columns.update(prompt_id=prompt_id, actor_id=actor_id, group_id=group_id,
+                   start_time=start_time, end_time=end_time, truncated=truncated, seq=seq)
     return Parsed(columns, item.data[:offset], bytes(item[offset:offset + SIGNATURE_BYTES]))
