@@ -292,11 +292,13 @@ class RolloutSink(abc.ABC):
     @abc.abstractmethod
     def send(self, rollouts: Sequence["Rollout"], timeout_s: float) -> List[bool]:
         """Hands checked rollouts to replay in order; per rollout whether it went (False: the
-        table stayed full until `timeout_s` and nothing was sent: send it again later)."""
+        table stayed full until `timeout_s` and nothing was sent: send it again later). The last
+        call's rollouts may still be in flight when it returns (they land unless this process
+        dies; a restarted actor sends what it had sent and nobody acknowledged once more)."""
 
     def close(self) -> None:
-        """Releases connections. The actor that was given the sink calls it once, when its run
-        ends; nothing is sent after it."""
+        """Waits (bounded) for what `send` left in flight and releases connections. The actor
+        that was given the sink calls it once, when its run ends; nothing is sent after it."""
 
 
 class RolloutSource(abc.ABC):

@@ -129,6 +129,25 @@ def test_each_item_sampled_once(server):
         assert time.monotonic() - t0 < 2.0
 
 
+def test_reader_polls_the_table_only_when_its_last_fetch_left_nothing_behind(server):
+    """Each fetched item reports the table's size when it was taken; while the last one left
+    items behind (only this reader takes items, so they are still there) the next `sample`
+    asks for them without a ServerInfo round trip."""
+    sent = [make_rollout(10 + i, seed=i) for i in range(10)]
+    with make_writer(server) as writer, RolloutReader(server.address) as reader:
+        assert all(r.confirmed for r in writer.write_many(sent, timeout_s=30.0))
+        polls = []
+        status = reader._client.table_status
+        reader._client.table_status = lambda *a, **k: polls.append(1) or status(*a, **k)
+        got = reader.sample(4, timeout_s=30.0, min_items=4)
+        assert len(polls) == 1                  # the first call asks: 10 there
+        got += reader.sample(4, timeout_s=30.0, min_items=4)
+        got += reader.sample(4, timeout_s=30.0, min_items=2)
+        assert len(polls) == 1 and len(got) == 10   # 6, then 2 left behind: no poll
+        assert reader.sample(4, timeout_s=0.2) == [] and len(polls) >= 2   # 0 left: it polls
+    assert [r.prompt_id for r in got] == [r.prompt_id for r in sent]
+
+
 def test_empty_table_returns_empty_within_timeout(server):
     with RolloutReader(server.address) as reader:
         t0 = time.monotonic()

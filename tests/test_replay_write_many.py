@@ -113,18 +113,16 @@ class _RaceLosingWriter(RolloutWriter):
         return 8
 
 
-def test_lost_race_is_unconfirmed_then_lands_once(small_server):
+def _race_for_the_last_two_slots(small_server, seed, race):
+    """2 rollouts in a table of 4, then a racer that sees room for 8 sends 4 more (`race(racer,
+    late)` sends and checks what the racer saw): 2 fit, 2 wait in the rate limiter, and land,
+    once and in order, when a reader frees room."""
     with make_writer(small_server) as writer, RolloutReader(small_server.address) as reader:
         assert all(r.confirmed for r in writer.write_many(
             [make_rollout(8, seed=i) for i in range(2)], timeout_s=30.0))
         racer = make_writer(small_server, _RaceLosingWriter)
-        late = [make_rollout(9 + i, seed=30 + i) for i in range(4)]
-        t0 = time.monotonic()
-        results = racer.write_many(late, timeout_s=1.0)      # 2 fit, 2 wait in the rate limiter
-        assert 0.95 <= time.monotonic() - t0 < 30.0
-        assert [r.inserted for r in results] == [True] * 4  # all handed over: never resend
-        assert [r.confirmed for r in results] == [True, True, False, False]
-        assert all(r.rejected is None for r in results)
+        late = [make_rollout(9 + i, seed=seed + i) for i in range(4)]
+        race(racer, late)
         assert racer.unconfirmed == 2 and racer.inserted == 4 and racer.timeouts == 0
         assert reader.queue_size() == 4                       # the table never holds more
         got = reader.sample(4, timeout_s=30.0, min_items=4)  # frees 4: the 2 waiting land
@@ -136,6 +134,17 @@ def test_lost_race_is_unconfirmed_then_lands_once(small_server):
     assert [r.prompt_id for r in got[2:]] == [r.prompt_id for r in late]
     for a, b in zip(late, got[2:]):
         assert_same(a, b)
+
+
+def test_lost_race_is_unconfirmed_then_lands_once(small_server):
+    def race(racer, late):
+        t0 = time.monotonic()
+        results = racer.write_many(late, timeout_s=1.0)      # 2 fit, 2 wait in the rate limiter
+        assert 0.95 <= time.monotonic() - t0 < 30.0
+        assert [r.inserted for r in results] == [True] * 4  # all handed over: never resend
+        assert [r.confirmed for r in results] == [True, True, False, False]
+        assert all(r.rejected is None for r in results)
+    _race_for_the_last_two_slots(small_server, 30, race)
 
 
 class _RaceLosingNearlyFull(RolloutWriter):
@@ -167,3 +176,72 @@ def test_after_close_and_empty(small_server):
     writer.close()
     with pytest.raises(RuntimeError, match="after close"):
         writer.write_many([make_rollout(4, seed=1)], timeout_s=0.1)
+
+
+# --- pipelined: what the actors' `send` does ------------------------------------------------------
+def test_send_is_pipelined_lands_everything_in_order_and_flush_confirms(server):
+    """`send` leaves its last group in flight (confirmed at the next call), across buckets of
+    several sizes, and the items still land in order, each once."""
+    sent = [make_rollout(L, seed=i) for i, L in enumerate([3, 64, 17, 40, 2, 33, 9, 50] * 2)]
+    with make_writer(server) as writer, RolloutReader(server.address) as reader:
+        for i in range(0, len(sent), 4):
+            results = writer.write_many(sent[i:i + 4], timeout_s=30.0,
+                                        wait_for_confirmation=False)
+            assert [(r.inserted, r.confirmed, r.rejected) for r in results] == \
+                [(True, False, None)] * 4      # handed over, in flight
+        assert writer.send(sent[:0], timeout_s=1.0) == []
+        assert writer.flush(timeout_s=30.0) and writer.unconfirmed == 0
+        assert writer.flush(timeout_s=0.0)     # nothing in flight: nothing to wait for
+        assert writer.inserted == len(sent) and writer.timeouts == 0
+        got = read_all(reader, len(sent))
+        assert reader.sample(4, timeout_s=0.3) == []
+    assert [r.prompt_id for r in got] == [r.prompt_id for r in sent]
+    for a, b in zip(sent, got):
+        assert_same(a, b)
+
+
+def test_close_waits_for_what_send_left_in_flight(server):
+    sent = [make_rollout(30 + i, seed=i) for i in range(6)]
+    writer = make_writer(server)
+    assert writer.send(sent, timeout_s=30.0) == [True] * 6
+    writer.close()                             # straight after: the in-flight items still land
+    with RolloutReader(server.address) as reader:
+        got = read_all(reader, 6)
+    assert [r.prompt_id for r in got] == [r.prompt_id for r in sent]
+
+
+def test_pipelined_lost_race_is_found_one_call_later_and_lands_once(small_server):
+    def race(racer, late):
+        assert racer.send(late, timeout_s=1.0) == [True] * 4   # handed over: never resend
+        t0 = time.monotonic()
+        assert not racer.flush(timeout_s=0.5)   # 2 fit, 2 wait in the rate limiter
+        assert 0.45 <= time.monotonic() - t0 < 30.0
+    _race_for_the_last_two_slots(small_server, 70, race)
+
+
+class _CountingPolls(RolloutWriter):
+    polls = 0
+
+    def _wait_for_free_slot(self, deadline):
+        self.polls += 1
+        return super()._wait_for_free_slot(deadline)
+
+
+def test_free_slot_answer_is_reused_while_it_leaves_room_twice_over(server, monkeypatch):
+    """One ServerInfo poll serves later calls while its answer, less what this writer sent
+    since, still fits the batch twice over; then the writer polls again. (The answer's age limit
+    is set far away so that machine load cannot change the count.)"""
+    from sao_actor_learner.replay import writer as writer_module
+    monkeypatch.setattr(writer_module, "_FREE_HINT_S", 3600.0)
+    with make_writer(server, _CountingPolls) as writer, RolloutReader(server.address) as reader:
+        pair = [make_rollout(8, seed=1), make_rollout(9, seed=2)]
+        for _ in range(15):                    # 32 free: 2 per call fit twice over 15 times
+            assert writer.send(pair, timeout_s=30.0) == [True, True]
+        assert writer.polls == 1
+        assert len(read_all(reader, 30)) == 30
+        assert writer.send(pair, timeout_s=30.0) == [True, True]
+        assert writer.polls == 2               # 2 left by its count: it asked again (32 free)
+        assert writer.send(pair, timeout_s=30.0) == [True, True] and writer.polls == 2
+        assert writer.flush(timeout_s=30.0)
+        got = read_all(reader, 4)
+    assert len(got) == 4

@@ -87,7 +87,8 @@ def test_put_sent_acknowledge_round_trip(directory):
     # A clean restart finds the same state and goes on numbering after the last seq.
     again = RolloutSpool(directory)
     assert (again.completed, again.sent_once, again.acknowledged, again.held) == (5, 4, 2, 3)
-    assert [s for s, _ in again.to_send(0)] == [4] and [s for s, _ in again.to_send(1)] == [1, 3, 4]
+    # 4 was never sent; 1 and 3 were sent by the previous incarnation, not acknowledged.
+    assert [s for s, _ in again.to_send(0)] == [1, 3, 4]
     assert again.put(rollout(5)) == 5
     again.close()
 
@@ -162,9 +163,34 @@ def test_restart_after_the_sent_line_was_lost_sends_again(directory):
     rewrite_ledger(directory, lambda line: line not in ("sent 2 0", "sent 3 0"))
     spool = RolloutSpool(directory)
     assert spool.sent_once == 2 and spool.held == 4
-    assert [s for s, _ in spool.to_send(0)] == [2, 3]   # sent again (the learner skips a copy)
-    assert spool.sent([2, 3], epoch=0) == 2 and spool.sent_once == 4
+    # 2 and 3 were never recorded as sent; 0 and 1 were, by the previous incarnation, and are
+    # not acknowledged: all go (again; the learner skips copies that did arrive).
+    assert [s for s, _ in spool.to_send(0)] == [0, 1, 2, 3]
+    assert spool.sent([0, 1, 2, 3], epoch=0) == 2 and spool.sent_once == 4
     assert spool.to_send(0) == []
+    spool.close()
+
+
+def test_restart_sends_again_what_the_dead_incarnation_sent_and_nobody_acknowledged(directory):
+    """The writer confirms a batch while it sends the next (replay/writer.py), so the last batch
+    a killed actor sent may never have reached replay: its successor sends every held rollout
+    its predecessors sent, once, but never an acknowledged one."""
+    spool = RolloutSpool(directory)
+    for k in range(5):
+        spool.put(rollout(k))
+    spool.sent([0, 1, 2], epoch=1)
+    spool.sent([3], epoch=2)
+    spool.acknowledge(lambda s: s == 1)
+    assert [s for s, _ in spool.to_send(2)] == [0, 2, 4]    # 0, 2 sent in epoch 1; 4 never
+    spool.close()                                     # SIGKILL: nothing more was written
+    spool = RolloutSpool(directory)
+    assert [s for s, _ in spool.to_send(0)] == [0, 2, 3, 4]   # 4 was never sent; 1 was acked
+    assert spool.sent([0, 2, 3, 4], epoch=2) == 1 and spool.sent_once == 5
+    assert spool.to_send(2) == []                     # once: not again in the same epoch
+    assert [s for s, _ in spool.to_send(3)] == [0, 2, 3, 4]   # a new loss epoch: all again
+    spool.close()
+    spool = RolloutSpool(directory)                   # and again after the next restart
+    assert [s for s, _ in spool.to_send(0)] == [0, 2, 3, 4]
     spool.close()
 
 

@@ -15,10 +15,11 @@ hits all alike:
                  the timing). Reverb's cost per item grows with its column count, so this is
                  the best raw loop on these rollouts; the target is against the better of the
                  two raw rows.
-  ours           the default path of a run: the actors' writer (RolloutWriter.write_many of
+  ours           the default path of a run: the actors' writer (RolloutWriter.send of
                  --actor_batch rollouts, timeout 1 s: validation and rejection counting, packing
                  into one column with an HMAC-SHA256 signature, a free-slot check before sending,
-                 padding to a length bucket, confirmation per call) into the rollouts table; the
+                 padding to a length bucket, each call's batch confirmed while the next is sent;
+                 a flush at the end, so that every insert is confirmed) into the rollouts table; the
                  learner's reader (RolloutReader.sample(--batch) with a RolloutVerifier: every
                  item's layout, values and signature checked, decoded into views, handed to
                  on_fetched as the learner's journal is).
@@ -130,9 +131,10 @@ def run_ours(address: str, rollouts: List[Rollout], path: str) -> Dict[str, floa
                            verifier=verifier)
     t0 = time.perf_counter()
     for i in range(0, n, FLAGS.actor_batch):
-        results = writer.write_many(rollouts[i:i + FLAGS.actor_batch], timeout_s=1.0)
-        if not all(r.inserted and r.confirmed for r in results):
-            raise RuntimeError(f"{path}: write_many failed: {results} {writer.stats()}")
+        if not all(writer.send(rollouts[i:i + FLAGS.actor_batch], timeout_s=1.0)):
+            raise RuntimeError(f"{path}: send failed: {writer.stats()}")
+    if not writer.flush(timeout_s=10.0) or writer.unconfirmed:   # all landed, as raw's flush
+        raise RuntimeError(f"{path}: not all inserts were confirmed: {writer.stats()}")
     t1 = time.perf_counter()
     got: List[Rollout] = []
     while len(got) < n:

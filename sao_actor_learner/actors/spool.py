@@ -8,7 +8,10 @@ the learner's progress report says it was consumed for good, trained or dropped 
 was in transit or queued may be gone), `to_resend` lists every spooled rollout sent in an
 earlier epoch, and the actor sends them again; copies that did arrive are skipped by the
 learner (it trains each key once). A restarted actor sends what it finds here that was never
-sent. So replay, the learner, the variable server and the actor itself can each die at any
+sent, and once more what its previous incarnation had sent but the learner has not yet
+acknowledged: the actor's writer confirms each batch while it sends the next (replay/writer.py,
+pipelined), so the last batch sent before a SIGKILL may never have reached replay (copies that
+did are skipped by the learner). So replay, the learner, the variable server and the actor itself can each die at any
 moment without a completed rollout being lost or trained twice.
 
 Folder layout (`<run_dir>/spool/actor_<id>/`):
@@ -109,6 +112,8 @@ class RolloutSpool:
         self._refused = collections.Counter(state["refused"])
         self._acked = len(state["acked"])
         self._sent_epoch: Dict[int, int] = {}     # held seq -> epoch it was last sent in
+        # Held seqs a previous incarnation sent: maybe still unconfirmed when it died (to_send).
+        self._sent_before_restart: set = set()
         for name in os.listdir(directory):
             if name.endswith(".tmp"):
                 os.remove(os.path.join(directory, name))       # never completed
@@ -119,6 +124,8 @@ class RolloutSpool:
             if seq not in state["puts"]:
                 self._append(f"put {seq}")     # completed, its ledger line lost
             self._sent_epoch[seq] = state["sent"].get(seq, -1)   # -1: never sent
+            if self._sent_epoch[seq] >= 0:
+                self._sent_before_restart.add(seq)
         self._completed = len(state["completed"])
         self._sent_once = len(state["sent"])
         self._next_seq = max(state["completed"]) + 1 if state["completed"] else 0
@@ -211,6 +218,7 @@ class RolloutSpool:
                 if s in self._sent_epoch:
                     first += self._sent_epoch[s] < 0
                     self._sent_epoch[s] = int(epoch)
+                self._sent_before_restart.discard(s)
             self._sent_once += first
         return first
 
@@ -221,6 +229,7 @@ class RolloutSpool:
             done = [s for s in self._sent_epoch if consumed(s)]
             for s in done:
                 del self._sent_epoch[s]
+                self._sent_before_restart.discard(s)
             self._acked += len(done)
         if done:
             self._append("\n".join(f"ack {s}" for s in sorted(done)))
@@ -232,10 +241,12 @@ class RolloutSpool:
         return len(done)
 
     def to_send(self, epoch: int) -> List[Tuple[int, object]]:
-        """(seq, rollout) of every held rollout never sent, or sent in a loss epoch before
-        `epoch`, oldest first (unreadable files are logged and skipped)."""
+        """(seq, rollout) of every held rollout never sent, sent in a loss epoch before `epoch`,
+        or sent by a previous incarnation of the actor and not sent since, oldest first
+        (unreadable files are logged and skipped)."""
         with self._lock:
-            seqs = sorted(s for s, e in self._sent_epoch.items() if e < epoch)
+            seqs = sorted(s for s, e in self._sent_epoch.items()
+                          if e < epoch or s in self._sent_before_restart)
         out = []
         for seq in seqs:
             rollout = self.load(seq)

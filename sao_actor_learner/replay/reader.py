@@ -3,16 +3,18 @@
 `reverb.Client.sample` (and the sampler under it) has no timeout: it blocks forever on an empty
 table. And a sampler left running prefetches: items leave the table (and free rate-limiter slots
 for the actors) before the learner asked for them. So the reader only asks Reverb for items the
-table already holds: `sample` polls the table size (one `ServerInfo` round trip, ~0.1-0.2 ms;
-every 1 ms, backing off to 10 ms, while it is empty) until it is non-empty, then a
-background thread fetches exactly min(wanted, available) items with one Reverb sampler, which
-therefore does not block. Should another consumer take those items first, the fetch blocks in the
+table already holds: `sample` learns the table size (from the last item fetched, which reports
+the size when it was taken: only this reader takes items, so at least that many are still there;
+else one `ServerInfo` round trip, ~0.1-0.5 ms, every 1 ms, backing off to 10 ms, while the table
+is empty) and a background thread fetches exactly min(wanted, available) items with one Reverb
+sampler, which therefore does not block. Should another consumer take those items first, the fetch blocks in the
 background thread, never in `sample`: `sample` returns what it has when `timeout_s` passes, and
 items that arrive later wait in the reader's buffer for the next call (`buffered`).
 
-Measured here (2 shared cores, server in another process, ~2k-token items): `sample(32)` ~8-12k
-rollouts/s, decoded; a bare Reverb sampler streaming undecoded items ~16-20k/s; `client.sample`
-(one item per request) ~6k/s. Most of the time is the transfer of the items themselves.
+Measured here (programs/benchmarks/replay_path.py; 2 shared cores, server in another process,
+~2k-token items): `sample(32)` ~7-9k rollouts/s verified (~12k unverified); a bare Reverb sampler
+streaming undecoded items ~17-25k/s. Per item: the HMAC ~22 us, parsing and the checks ~15 us,
+and a new sampler per call (~0.4 ms, and the wait for its first item) ~20-30 us.
 
 Decoded rollouts have the exact dtypes of types.py; their per-token columns are views into the
 sampled item (replay/item.py), not copies; the writer's padding is never read.
@@ -46,6 +48,7 @@ from sao_actor_learner.types import Rollout
 
 # Reverb's sampler returns (key, probability, table_size, priority, times_sampled) before the data.
 _NUM_INFO_TENSORS = 5
+_TABLE_SIZE = 2
 _POLL_START_S = 0.001
 _POLL_MAX_S = 0.01
 
@@ -56,8 +59,7 @@ def decode_item(flat: Sequence[np.ndarray]) -> Rollout:
     if len(flat) != len(ITEM_COLUMNS):
         raise ValueError(f"replay item has {len(flat)} columns, expected {len(ITEM_COLUMNS)} "
                          f"({', '.join(ITEM_COLUMNS)}): was it written by RolloutWriter?")
-    cols = item.parse(flat[0]).columns
-    return Rollout.from_columns(cols)
+    return Rollout(**item.parse(flat[0]).columns)
 
 
 class RolloutReader:
@@ -92,6 +94,7 @@ class RolloutReader:
         self._rejected: Dict[str, int] = collections.Counter()
         self.interruptions = 0     # fetches that failed mid-stream, and gaps of unreachability
         self._unreachable = False
+        self._known_left = 0       # the table's size after the last item fetched (_available)
         self.sampled = 0           # rollouts returned by sample()
 
     @property
@@ -155,6 +158,12 @@ class RolloutReader:
         return out
 
     def _available(self) -> int:
+        """Items the table holds at least: what the last fetch saw left behind it (only this
+        reader takes items, so the table cannot have fewer since), else one ServerInfo poll."""
+        with self._cond:
+            left, self._known_left = self._known_left, 0
+        if left > 0:
+            return left
         try:
             size = self._client.table_status(self._table).current_size
         except KeyError:
@@ -200,8 +209,9 @@ class RolloutReader:
                 # round trip instead of one.
                 sampler = self._client.sampler(self._table, k, k)
                 for _ in range(k):
-                    flat = sampler.GetNextTrajectory()[_NUM_INFO_TENSORS:]
-                    rollout = self._decode(flat)
+                    sample = sampler.GetNextTrajectory()
+                    left = int(sample[_TABLE_SIZE]) - 1   # the table's size when it was taken
+                    rollout = self._decode(sample[_NUM_INFO_TENSORS:])
                     if rollout is None:
                         continue
                     if self._on_fetched is not None:
@@ -212,6 +222,8 @@ class RolloutReader:
                                             "close()")
                         else:
                             self._buffer.append(rollout)
+                with self._cond:
+                    self._known_left = left
                 del sampler
             except Exception as e:  # handed to the caller by the next sample()
                 with self._cond:

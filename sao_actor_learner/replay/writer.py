@@ -12,18 +12,31 @@ Batches. `write_many(rollouts, timeout_s)` inserts an actor's whole generation w
 guarantees below: one free-slot check (the batch goes out whole while the table has room for it
 twice over; nearer full, one rollout per check, as `write`), every rollout of the group padded to
 the group's longest bucket and appended to that one bucket writer (so they land in order), one
-flush: one confirmation round trip per call instead of one per rollout. The appends go straight
-to Reverb's C++ writer (replay/client.py; its Python wrapper's bookkeeping added ~50 us per
-rollout, half the append's own cost). A rollout may thus be padded beyond its own bucket, to its
-group's.
+confirmation round trip per call instead of one per rollout. Each rollout is packed, signed and
+appended in turn, so Reverb's C++ threads compress and send one while Python packs the next. The
+appends go straight to Reverb's C++ writer (replay/client.py; its Python wrapper's bookkeeping
+added ~50 us per rollout, half the append's own cost). A rollout may thus be padded beyond its
+own bucket, to its group's.
+
+Pipelined (`send`, what the actors call: `write_many(..., wait_for_confirmation=False)`). A wait
+for the confirmation of every group drains the stream each time: measured, half the rollouts/s
+of a stream kept full. So `send` waits only for the group sent before (normally confirmed long
+ago) and leaves its own in flight; `flush` or `close` wait for it. The group before is always
+confirmed before a group goes to another bucket's writer, so the rollouts still land in order.
+What is in flight is lost if this process dies: the actor's spool then sends every rollout its
+predecessor sent and nobody acknowledged once more (actors/spool.py; the learner skips copies).
+
+The free-slot check asks replay (one `ServerInfo`, ~0.2-0.5 ms) only when its last answer, less
+what this writer sent since, leaves less than twice the batch, or is older than _FREE_HINT_S
+(50 ms): only other writers' inserts can have taken slots since, which is a lost race (below),
+made rare by the margin and the age.
 
 Measured by programs/benchmarks/replay_path.py (BENCHMARKS.md section 3; 2 shared cores, server
-in another process, rollouts of ~2k tokens): `write_many` of 8 ~3.2k rollouts/s, the raw legacy
+in another process, rollouts of ~2k tokens): `send` of 8 ~9-10k rollouts/s, the raw legacy
 `Writer` with one flush at the very end (no validation, no timeout, nothing confirmed until then)
-~9.9k/s on 12 columns and ~19.6k/s on the same bytes packed as ours. Per rollout in `write_many`
-(~0.31 ms; cProfile shares): the confirmation round trip (~0.9 ms per call), the free-slot
-`ServerInfo` (~0.45 ms per call), validation, packing and the HMAC (~30 us each), append +
-create_item (~40 us).
+~16-19k/s on 12 columns and ~24-35k/s on the same bytes packed as ours. Per rollout: the HMAC
+~22 us, the checks (one C pass, replay/_itemfast.c) and the packing ~15 us, Reverb's append and
+create_item ~20 us.
 
 Timeouts. Reverb cannot withdraw an item once it is sent: an insert that waits in the rate limiter
 lands whenever a slot frees, even after its writer is closed (checked here). So `write` first
@@ -55,7 +68,6 @@ is safe but slow.
 from __future__ import annotations
 
 import collections
-import struct
 import threading
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -68,7 +80,7 @@ from sao_actor_learner.replay.client import (SERVER_INFO_TIMEOUT_S, FlushTimeout
                                              TrajectoryWriter, connect)
 from sao_actor_learner.replay.tables import DEFAULT_TABLE
 from sao_actor_learner.replay.validation import (REJECT_REASONS, RolloutSigner,  # noqa: F401
-                                                 check_rollout)
+                                                 check_rollout, checked_item_parts)
 from sao_actor_learner import core
 from sao_actor_learner.types import Rollout
 
@@ -78,6 +90,10 @@ _MIN_CONFIRM_S = 0.05
 _POLL_START_S = 0.001
 _POLL_MAX_S = 0.02
 _MIN_BUCKET = 16
+# How long close() waits for the confirmation of what a pipelined `send` left in flight.
+_CLOSE_CONFIRM_S = 1.0
+# How long a free-slot poll's answer is reused (less what this writer sent since).
+_FREE_HINT_S = 0.05
 
 
 class WriteResult(NamedTuple):
@@ -149,6 +165,9 @@ class RolloutWriter(core.RolloutSink):
         self._inserted = 0
         self._timeouts = 0
         self._unconfirmed = 0
+        self._in_flight: Optional[Tuple[int, Any, int]] = None  # (size, writer, count): _settle
+        self._free_hint = 0                  # see _free_slots
+        self._free_hint_until = 0.0
         self._lock = threading.Lock()
         self._closed = False
 
@@ -185,8 +204,10 @@ class RolloutWriter(core.RolloutSink):
         return check_rollout(rollout, self.vocab_size, self.max_sequence_length)[1]
 
     def send(self, rollouts: Sequence[Rollout], timeout_s: float) -> List[bool]:
-        """`write_many`, per rollout whether it went (a refused one counts as not sent)."""
-        return [result.inserted for result in self.write_many(rollouts, timeout_s)]
+        """`write_many` without waiting for this call's confirmation (pipelined: see the module
+        doc), per rollout whether it went (a refused one counts as not sent)."""
+        return [result.inserted
+                for result in self.write_many(rollouts, timeout_s, wait_for_confirmation=False)]
 
     def write(self, rollout: Rollout, timeout_s: float) -> bool:
         """Inserts `rollout` as one item; True once inserted (see the module doc).
@@ -196,7 +217,8 @@ class RolloutWriter(core.RolloutSink):
         """
         return self.write_many([rollout], timeout_s)[0].inserted
 
-    def write_many(self, rollouts: Sequence[Rollout], timeout_s: float) -> List[WriteResult]:
+    def write_many(self, rollouts: Sequence[Rollout], timeout_s: float,
+                   wait_for_confirmation: bool = True) -> List[WriteResult]:
         """Inserts `rollouts` in order with the guarantees of `write`, one `WriteResult` each.
 
         One free-slot check and one confirmation round trip per group of rollouts that
@@ -208,52 +230,68 @@ class RolloutWriter(core.RolloutSink):
         or `timeout_s` passes; those not sent by then were not sent at all (counted in
         `timeouts`): write them again later, no duplicate. The rollouts of one group are padded
         to the group's longest bucket and go through one Reverb writer, so they land in order.
+
+        `wait_for_confirmation=False` (pipelined, what `send` does): the last group is not
+        waited for; it is confirmed at the start of the next call (or by `flush`, `close`), while
+        this one's rollouts were being checked and packed, and its results say inserted,
+        unconfirmed. Later groups are sent only after the earlier ones are confirmed, so the
+        rollouts still land in order, and a lost race is found (and handled as above) one call
+        later.
         """
         deadline = time.monotonic() + max(0.0, float(timeout_s))
         with self._lock:
             if self._closed:
                 raise RuntimeError("RolloutWriter.write_many() after close()")
             results: List[WriteResult] = [NOT_SENT] * len(rollouts)
-            valid: List[Tuple[int, np.ndarray]] = []
+            valid: List[Tuple[int, Dict[str, Any], bytes]] = []
             for i, rollout in enumerate(rollouts):
-                columns, reason = self.validate(rollout)
+                cols, header, reason = self._check(rollout)
                 if reason is None:
-                    valid.append((i, columns))
+                    valid.append((i, cols, header))
                 else:
                     self._reject(reason, rollout)
                     results[i] = WriteResult(False, False, reason)
             sent = 0
             while sent < len(valid):
-                free = int(self._wait_for_free_slot(deadline))
+                left = len(valid) - sent
+                free = int(self._free_slots(deadline, left))
                 if free <= 0:
                     break
                 # The rest at once while the table has room for it twice over; nearer full
                 # (other actors compete for the slots) one per check, as `write` does, so a
                 # lost race leaves one rollout waiting in the rate limiter, not a batch.
-                left = len(valid) - sent
                 group = valid[sent:sent + (left if free >= 2 * left else 1)]
-                confirmed = self._send_group([packed for _, packed in group], deadline)
-                for (i, _), ok in zip(group, confirmed):
+                confirmed, timed_out = self._send_group(
+                    [(cols, header) for _, cols, header in group], deadline, wait_for_confirmation)
+                if confirmed is None:
+                    break   # the deadline passed waiting for the group sent before: not sent
+                for (i, _, _), ok in zip(group, confirmed):
                     results[i] = WriteResult(True, ok, None)
                 self._inserted += len(group)
+                self._free_hint -= len(group)
                 sent += len(group)
-                if not confirmed[-1]:
-                    break   # the deadline passed waiting for this group: send no more now
+                if timed_out:
+                    break   # the deadline passed waiting for a confirmation: send no more now
             self._timeouts += len(valid) - sent
             return results
 
     def validate(self, rollout: Rollout) -> Tuple[Optional[np.ndarray], Optional[str]]:
         """(the rollout's replay item, unpadded, signed, None) for a valid rollout, else
         (None, reason): the checks of replay/validation.py, then the item (replay/item.py)."""
-        cols, reason = check_rollout(rollout, self.vocab_size, self.max_sequence_length)
+        cols, header, reason = self._check(rollout)
         if reason is not None:
             return None, reason
-        try:
-            packed = item.pack(cols, int(cols["tokens"].shape[0]),
-                               self._signer.sign if self._signer is not None else None)
-        except (struct.error, TypeError, ValueError, OverflowError):
-            return None, "malformed"   # a scalar outside its dtype's range, or not a number
-        return packed, None
+        return self._pack(cols, header, int(cols["tokens"].shape[0])), None
+
+    def _check(self, rollout: Rollout) -> Tuple[Optional[Dict[str, Any]], bytes, Optional[str]]:
+        """(exact-dtype columns, the item's header, None) for a valid rollout, else
+        (None, b"", the REJECT_REASONS key)."""
+        return checked_item_parts(rollout, self.vocab_size, self.max_sequence_length)
+
+    def _pack(self, cols: Dict[str, Any], header: bytes, padded_length: int) -> np.ndarray:
+        return item.pack(cols, padded_length,
+                         self._signer.sign if self._signer is not None else None,
+                         header_bytes=header)
 
     def _reject(self, reason: str, rollout: Any) -> None:
         self._rejected[reason] += 1
@@ -261,6 +299,22 @@ class RolloutWriter(core.RolloutSink):
         if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... of each reason
             logging.warning("RolloutWriter: rejected rollout (prompt_id=%s): %s: %s [%d so far]",
                             getattr(rollout, "prompt_id", "?"), reason, REJECT_REASONS[reason], n)
+
+    def _free_slots(self, deadline: float, wanted: int) -> int:
+        """How many inserts the table admits now: the last poll's answer minus what this writer
+        sent since, while that answer is younger than _FREE_HINT_S and leaves room for `wanted`
+        twice over (only other writers' inserts can have taken slots since: a lost race, which
+        `write` handles, and which the margin and the age make rare); else a fresh poll
+        (`_wait_for_free_slot`). Saves the ServerInfo round trip of most calls."""
+        if self._free_hint >= 2 * wanted and time.monotonic() < self._free_hint_until:
+            return self._free_hint
+        # What is still in flight first, so that the table's size counts it; a lost race (it
+        # waits in the rate limiter) means no free slot by the deadline.
+        if not self._settle(deadline):
+            return 0
+        free = int(self._wait_for_free_slot(deadline))
+        self._free_hint, self._free_hint_until = free, time.monotonic() + _FREE_HINT_S
+        return free
 
     def _wait_for_free_slot(self, deadline: float) -> int:
         """Polls the table until the rate limiter would admit an insert, or the deadline; returns
@@ -294,40 +348,91 @@ class RolloutWriter(core.RolloutSink):
     def _bucket(self, length: int) -> int:
         return int(self._buckets[np.searchsorted(self._buckets, length)])
 
-    def _send_group(self, group: List[np.ndarray], deadline: float) -> List[bool]:
-        """Sends the items of `group` through the writer of the longest one's bucket, padded to
-        it, then waits once for their confirmation (until the deadline, at least
-        _MIN_CONFIRM_S). Returns, per item, whether replay confirmed it; the unconfirmed ones
-        (always the last ones: one stream lands its items in order) keep their writer alive,
-        retired, until they land, and later items use a fresh one."""
-        size = item.item_bytes(self._bucket(max(item.length_of(packed) for packed in group)))
+    def _send_group(self, group: List[Tuple[Dict[str, Any], bytes]], deadline: float,
+                    wait_for_confirmation: bool = True) -> Tuple[Optional[List[bool]], bool]:
+        """Packs, signs and sends the checked rollouts of `group` through the writer of the
+        longest one's bucket, padded to it, each appended as soon as it is packed (Reverb's C++
+        threads compress and send it while the next one is packed). Then waits once (until the
+        deadline, at least _MIN_CONFIRM_S) for their confirmation or, pipelined, only for that
+        of the group sent before, so the stream never runs dry (measured: 2x the rollouts/s of
+        a wait per group). Returns (per item whether replay confirmed it, pipelined: all False;
+        whether the wait timed out), or (None, True) when nothing was sent (the deadline passed
+        waiting for another stream's items, which must land first). When the wait times out,
+        the unconfirmed items (always the last ones: one stream lands its items in order) keep
+        their writer alive, retired, until they land, and later items use a fresh one."""
+        padded = self._bucket(max(int(cols["tokens"].shape[0]) for cols, _ in group))
+        size = item.item_bytes(padded)
         writer = self._writers.get(size)
         if writer is None:
             writer = self._client.trajectory_writer(num_keep_alive_refs=1)
             self._writers[size] = writer
+        if self._in_flight is not None and self._in_flight[1] is not writer:
+            # Another stream: its items land first, so that all land in order.
+            if not self._settle(deadline):
+                return None, True
+        before = 0 if self._in_flight is None else self._in_flight[2]
+        self._in_flight = None
         try:
-            for packed in group:
-                writer.append_item(self._table, [_padded(packed, size)])
+            for cols, header in group:
+                writer.append_item(self._table, [self._pack(cols, header, padded)])
             wait_s = max(deadline - time.monotonic(), _MIN_CONFIRM_S)
-            writer.flush(timeout_ms=int(wait_s * 1000))
+            writer.flush(timeout_ms=int(wait_s * 1000),
+                         block_until_num_items=0 if wait_for_confirmation else len(group))
+            if not wait_for_confirmation:
+                self._in_flight = (size, writer, len(group))
+                return [False] * len(group), False
         except FlushTimeout:
             # Another writer took the slot: the items wait in the server's rate limiter and will
             # land. Keep this writer alive until they do; later items use a fresh one.
-            waiting = _waiting_items(writer, len(group))
-            self._writers.pop(size, None)
-            self._retired.append(writer)
-            self._retired_waiting.append(waiting)
-            self._unconfirmed += waiting
-            logging.log_every_n(logging.WARNING, "RolloutWriter: insert not yet confirmed after "
-                                "the timeout (another writer took the free slot); it waits in "
-                                "replay's rate limiter and lands when the learner samples", 100)
-            return [True] * (len(group) - waiting) + [False] * waiting
+            waiting = min(self._retire(size, writer, before + len(group)), len(group))
+            return [True] * (len(group) - waiting) + [False] * waiting, True
         except Exception as e:
             self._writers.pop(size, None)
             _close_quietly(writer)
             raise RuntimeError(f"RolloutWriter: inserting into table {self._table!r} at "
                                f"{self._client.server_address} failed: {e}") from e
-        return [True] * len(group)
+        return [True] * len(group), False
+
+    def _settle(self, deadline: float) -> bool:
+        """Waits for the confirmation of the group a pipelined call left in flight (until the
+        deadline, at least _MIN_CONFIRM_S; usually it came long ago). False when it did not
+        come: it waits in the rate limiter (a lost race), and its writer is retired."""
+        if self._in_flight is None:
+            return True
+        size, writer, count = self._in_flight
+        self._in_flight = None
+        try:
+            writer.flush(timeout_ms=int(max(deadline - time.monotonic(), _MIN_CONFIRM_S) * 1000))
+        except FlushTimeout:
+            self._retire(size, writer, count)
+            return False
+        except Exception as e:
+            self._writers.pop(size, None)
+            _close_quietly(writer)
+            raise RuntimeError(f"RolloutWriter: confirming inserts into table {self._table!r} "
+                               f"at {self._client.server_address} failed: {e}") from e
+        return True
+
+    def flush(self, timeout_s: float) -> bool:
+        """Waits for the confirmation of what a pipelined `send` left in flight; False when it
+        did not come within `timeout_s` (it waits in the rate limiter and lands later)."""
+        with self._lock:
+            return self._settle(time.monotonic() + max(0.0, float(timeout_s)))
+
+    def _retire(self, size: int, writer: Any, sent: int) -> int:
+        """Retires `writer`, whose flush timed out: some of its last `sent` items wait in the
+        rate limiter; it stays alive until they land, and later items of its bucket use a
+        fresh writer. Returns how many wait."""
+        waiting = _waiting_items(writer, sent)
+        if self._writers.get(size) is writer:
+            self._writers.pop(size)
+        self._retired.append(writer)
+        self._retired_waiting.append(waiting)
+        self._unconfirmed += waiting
+        logging.log_every_n(logging.WARNING, "RolloutWriter: insert not yet confirmed after "
+                            "the timeout (another writer took the free slot); it waits in "
+                            "replay's rate limiter and lands when the learner samples", 100)
+        return waiting
 
     def _retired_pending(self) -> int:
         """Our items still waiting in replay's rate limiter."""
@@ -356,6 +461,10 @@ class RolloutWriter(core.RolloutSink):
             if self._closed:
                 return
             self._closed = True
+            try:
+                self._settle(time.monotonic() + _CLOSE_CONFIRM_S)
+            except RuntimeError as e:   # the server is gone: what was in flight is resent
+                logging.warning("%s", e)
             if self._retired:
                 self._reap_retired()
             if self._retired:
@@ -376,15 +485,6 @@ class RolloutWriter(core.RolloutSink):
     def __repr__(self) -> str:
         return (f"RolloutWriter(table={self._table!r}, inserted={self._inserted}, "
                 f"timeouts={self._timeouts}, rejected={dict(self._rejected)})")
-
-
-def _padded(packed: np.ndarray, size: int) -> np.ndarray:
-    """`packed` zero-padded to `size` bytes (a new array unless it has that size)."""
-    if packed.shape[0] == size:
-        return packed
-    out = np.zeros(size, np.uint8)
-    out[:packed.shape[0]] = packed
-    return out
 
 
 def _waiting_items(writer: Any, sent: int) -> int:
