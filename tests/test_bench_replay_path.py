@@ -58,3 +58,8 @@ def test_replay_path_benchmark_smoke():
     assert figures["target_ratio"] == 0.7
     assert figures["target_met"] == (figures["ratio_ours_over_best_raw_write_read"] >= 0.7)
     assert figures["load_avg_1m_start"] >= 0 and figures["load_avg_1m_end"] >= 0
+    # The signatures' cost against what the target leaves over the best raw loop.
+    raw_us = 1e6 / figures[f"{best_raw}_write_read_per_s"]
+    assert figures["hmac_sign_and_verify_us_per_item"] > 0
+    assert figures["target_budget_us_per_item"] == pytest.approx(raw_us / 0.7 - raw_us, abs=0.2)
+    assert "signing + verifying alone" in out.stdout
