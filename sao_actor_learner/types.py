@@ -107,13 +107,6 @@ class Rollout:
             out[name] = np.asarray(getattr(self, name), dtype=SCALAR_DTYPES[name])
         return out
 
-    @classmethod
-    def from_columns(cls, cols: dict) -> "Rollout":
-        kwargs = {name: np.asarray(cols[name]) for name in TOKEN_COLUMNS}
-        for name in SCALAR_COLUMNS:
-            kwargs[name] = np.asarray(cols[name]).item()
-        return cls(**kwargs)
-
 
 @dataclasses.dataclass
 class Batch:

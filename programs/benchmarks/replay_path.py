@@ -30,9 +30,9 @@ Per path: write/s (write phase), read/s (read phase), write+read/s (num_items ov
 best and median of --repeats rounds, and the ratios to raw and raw_packed (and of ours to
 ours_unsigned). Target: ours >= 0.7x the better raw row on write+read. Also timed each round:
 signing and verifying every item alone (two HMAC-SHA256 per item), printed against the time per
-item the target leaves over the best raw loop for everything ours adds. Every path checks that its rollouts came back complete,
-in order and unchanged (and, for ours, that none was refused). Prints a table, then one JSON
-line of figures.
+item the target leaves over the best raw loop for everything ours adds. Every path checks that
+its rollouts came back complete, in order and unchanged (and, for ours, that none was refused).
+Prints a table, then one JSON line of figures.
 
   OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python programs/benchmarks/replay_path.py \
       --repeats=5

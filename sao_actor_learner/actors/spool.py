@@ -11,8 +11,8 @@ learner (it trains each key once). A restarted actor sends what it finds here th
 sent, and once more what its previous incarnation had sent but the learner has not yet
 acknowledged: the actor's writer confirms each batch while it sends the next (replay/writer.py,
 pipelined), so the last batch sent before a SIGKILL may never have reached replay (copies that
-did are skipped by the learner). So replay, the learner, the variable server and the actor itself can each die at any
-moment without a completed rollout being lost or trained twice.
+did are skipped by the learner). So replay, the learner, the variable server and the actor
+itself can each die at any moment without a completed rollout being lost or trained twice.
 
 Folder layout (`<run_dir>/spool/actor_<id>/`):
   <seq>.pkl    one rollout not yet acknowledged (pickled; written to a temporary name, then

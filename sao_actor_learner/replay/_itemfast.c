@@ -5,15 +5,15 @@
  * through both on the actor and the checks again on the learner. Here:
  *
  *   check(tokens, rollout_logp, versions, rewards, action_mask, vocab_size) -> int
- *       the index of the first broken rule in CHECK_REASONS of replay/fastpath.py (0: none),
- *       in the order of check_values; one pass over the five columns.
+ *       the 1-based index of the first broken rule in VALUE_RULES of replay/validation.py
+ *       (0: none), in the order of check_values; one pass over the five columns.
  *   pack(out, tokens, rollout_logp, versions, rewards, action_mask) -> int
  *       copies the five columns into `out` from byte 64 on (the item's layout), returns the
  *       end offset.
  *
  * The columns are buffers of exact dtypes (int32, float32, int32, float32, int8) and equal
  * lengths, C-contiguous; a wrong size raises ValueError. Pure CPython API, no numpy headers.
- * replay/fastpath.py loads it, and falls back to the numpy versions when it was not built;
+ * replay/item.py loads it (`native`); without it, and for strided columns, the numpy code runs;
  * tests/test_replay_fastpath.py checks both give the same answers.
  */
 #define PY_SSIZE_T_CLEAN

@@ -7,9 +7,10 @@ table already holds: `sample` learns the table size (from the last item fetched,
 the size when it was taken: only this reader takes items, so at least that many are still there;
 else one `ServerInfo` round trip, ~0.1-0.5 ms, every 1 ms, backing off to 10 ms, while the table
 is empty) and a background thread fetches exactly min(wanted, available) items with one Reverb
-sampler, which therefore does not block. Should another consumer take those items first, the fetch blocks in the
-background thread, never in `sample`: `sample` returns what it has when `timeout_s` passes, and
-items that arrive later wait in the reader's buffer for the next call (`buffered`).
+sampler, which therefore does not block. Should another consumer take those items first, the
+fetch blocks in the background thread, never in `sample`: `sample` returns what it has when
+`timeout_s` passes, and items that arrive later wait in the reader's buffer for the next call
+(`buffered`).
 
 Measured here (programs/benchmarks/replay_path.py; 2 shared cores, server in another process,
 ~2k-token items): `sample(32)` ~7-9k rollouts/s verified (~12k unverified); a bare Reverb sampler

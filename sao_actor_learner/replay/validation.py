@@ -104,29 +104,34 @@ def checked_item_parts(rollout: Any, vocab_size: int, max_sequence_length: int
                        ) -> Tuple[Optional[Dict[str, Any]], bytes, Optional[str]]:
     """`check_rollout`, and the item's header (replay/item.py) it made to check the scalars:
     (columns, header, None), else (None, b"", the reason). The writer's hot path."""
+    cols = _exact_token_columns(rollout)
+    if cols is None:   # not a Rollout's exact dtypes: convert (slow path)
+        cols, reason = check_columns(rollout_columns(rollout), vocab_size, max_sequence_length)
+    else:
+        reason = shape_reason(cols) or check_values(cols, vocab_size, max_sequence_length)
+        if reason is None:
+            try:
+                cols.update((name, getattr(rollout, name)) for name in SCALAR_COLUMNS)
+            except AttributeError:
+                reason = "malformed"
+    if reason is not None:
+        return None, b"", reason
+    try:
+        return cols, item.header(cols, cols["tokens"].shape[0]), None   # the scalars fit
+    except (struct.error, TypeError, ValueError, OverflowError):
+        return None, b"", "malformed"   # a scalar outside its dtype's range, or not a number
+
+
+def _exact_token_columns(rollout: Any) -> Optional[Dict[str, Any]]:
+    """The per-token columns of `rollout` when every one is an ndarray of its exact dtype (a
+    Rollout's are), else None."""
     cols: Dict[str, Any] = {}
     for name in TOKEN_COLUMNS:
         value = getattr(rollout, name, None)
         if type(value) is not np.ndarray or value.dtype != TOKEN_DTYPES[name]:
-            break   # not a Rollout's exact dtypes: convert (slow path)
+            return None
         cols[name] = value
-    else:
-        reason = shape_reason(cols) or check_values(cols, vocab_size, max_sequence_length)
-        if reason is not None:
-            return None, b"", reason
-        try:
-            for name in SCALAR_COLUMNS:
-                cols[name] = getattr(rollout, name)
-            return cols, item.header(cols, cols["tokens"].shape[0]), None  # scalars fit
-        except (AttributeError, struct.error, TypeError, ValueError, OverflowError):
-            return None, b"", "malformed"
-    cols, reason = check_columns(rollout_columns(rollout), vocab_size, max_sequence_length)
-    if reason is not None:
-        return None, b"", reason
-    try:
-        return cols, item.header(cols, cols["tokens"].shape[0]), None
-    except (struct.error, TypeError, ValueError, OverflowError):
-        return None, b"", "malformed"   # a scalar outside its dtype's range
+    return cols
 
 
 def shape_reason(cols: Mapping[str, np.ndarray]) -> Optional[str]:

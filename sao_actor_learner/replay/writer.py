@@ -232,11 +232,10 @@ class RolloutWriter(core.RolloutSink):
         to the group's longest bucket and go through one Reverb writer, so they land in order.
 
         `wait_for_confirmation=False` (pipelined, what `send` does): the last group is not
-        waited for; it is confirmed at the start of the next call (or by `flush`, `close`), while
-        this one's rollouts were being checked and packed, and its results say inserted,
-        unconfirmed. Later groups are sent only after the earlier ones are confirmed, so the
-        rollouts still land in order, and a lost race is found (and handled as above) one call
-        later.
+        waited for, and its results say inserted, unconfirmed. The next call waits for it once
+        its own group is appended (or before it polls the table or uses another bucket's
+        writer); `flush` and `close` wait for it too. Groups thus still land in order, and a
+        lost race is found (and handled as above) one call later.
         """
         deadline = time.monotonic() + max(0.0, float(timeout_s))
         with self._lock:
@@ -245,7 +244,8 @@ class RolloutWriter(core.RolloutSink):
             results: List[WriteResult] = [NOT_SENT] * len(rollouts)
             valid: List[Tuple[int, Dict[str, Any], bytes]] = []
             for i, rollout in enumerate(rollouts):
-                cols, header, reason = self._check(rollout)
+                cols, header, reason = checked_item_parts(rollout, self.vocab_size,
+                                                          self.max_sequence_length)
                 if reason is None:
                     valid.append((i, cols, header))
                 else:
@@ -274,19 +274,6 @@ class RolloutWriter(core.RolloutSink):
                     break   # the deadline passed waiting for a confirmation: send no more now
             self._timeouts += len(valid) - sent
             return results
-
-    def validate(self, rollout: Rollout) -> Tuple[Optional[np.ndarray], Optional[str]]:
-        """(the rollout's replay item, unpadded, signed, None) for a valid rollout, else
-        (None, reason): the checks of replay/validation.py, then the item (replay/item.py)."""
-        cols, header, reason = self._check(rollout)
-        if reason is not None:
-            return None, reason
-        return self._pack(cols, header, int(cols["tokens"].shape[0])), None
-
-    def _check(self, rollout: Rollout) -> Tuple[Optional[Dict[str, Any]], bytes, Optional[str]]:
-        """(exact-dtype columns, the item's header, None) for a valid rollout, else
-        (None, b"", the REJECT_REASONS key)."""
-        return checked_item_parts(rollout, self.vocab_size, self.max_sequence_length)
 
     def _pack(self, cols: Dict[str, Any], header: bytes, padded_length: int) -> np.ndarray:
         return item.pack(cols, padded_length,
@@ -387,10 +374,7 @@ class RolloutWriter(core.RolloutSink):
             waiting = min(self._retire(size, writer, before + len(group)), len(group))
             return [True] * (len(group) - waiting) + [False] * waiting, True
         except Exception as e:
-            self._writers.pop(size, None)
-            _close_quietly(writer)
-            raise RuntimeError(f"RolloutWriter: inserting into table {self._table!r} at "
-                               f"{self._client.server_address} failed: {e}") from e
+            raise self._broken(size, writer, "inserting into", e) from e
         return [True] * len(group), False
 
     def _settle(self, deadline: float) -> bool:
@@ -407,11 +391,16 @@ class RolloutWriter(core.RolloutSink):
             self._retire(size, writer, count)
             return False
         except Exception as e:
-            self._writers.pop(size, None)
-            _close_quietly(writer)
-            raise RuntimeError(f"RolloutWriter: confirming inserts into table {self._table!r} "
-                               f"at {self._client.server_address} failed: {e}") from e
+            raise self._broken(size, writer, "confirming inserts into", e) from e
         return True
+
+    def _broken(self, size: int, writer: Any, doing: str, error: BaseException) -> RuntimeError:
+        """Drops and closes `writer`, whose stream broke (the server went away); the error to
+        raise."""
+        self._writers.pop(size, None)
+        _close_quietly(writer)
+        return RuntimeError(f"RolloutWriter: {doing} table {self._table!r} at "
+                            f"{self._client.server_address} failed: {error}")
 
     def flush(self, timeout_s: float) -> bool:
         """Waits for the confirmation of what a pipelined `send` left in flight; False when it
