@@ -1,7 +1,11 @@
 """Checks that run before a program launches, so bad input fails before any node starts.
 
 `check_before_launch(config)` runs in the launcher process. Its cheap part needs only the file
-system: the model (and critic) directory has a config, weights and a tokenizer. Checks that
+system: a fresh run would delete only folders this project made (run_dirs.py); the model
+directory has a config (a JSON object), a tokenizer and intact weights (every safetensors header
+read, the file's size checked against it, the embedding against vocab_size); a critic directory
+has a config and intact weights, the policy's model_type, sizes and vocab_size, and no tokenizer
+or the policy's (models/model_dir.check_critic_dir). Checks that
 need the model's tokenizer or architecture (which import torch and transformers, ~300 MB the
 launcher would keep for the whole run) run in a short-lived subprocess (`python -m
 sao_actor_learner.preflight`, the config as JSON on stdin):
@@ -24,7 +28,8 @@ from typing import Dict
 
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.models.model_dir import (CHAR_TOKENIZER_FILE, ModelDirError,
-                                                check_model_dir)
+                                                check_critic_dir, check_model_dir)
+from sao_actor_learner.run_dirs import check_fresh_run
 
 DEFAULT_FROZEN_PATTERNS = SAOConfig.__dataclass_fields__["critic_frozen_patterns"].default
 
@@ -47,6 +52,7 @@ def needs_model_checks(config: SAOConfig) -> bool:
 def check_before_launch(config: SAOConfig) -> Dict:
     """Raises ConfigError naming what to change; returns what the checks measured (dataset
     row counts, over-long prompts left out)."""
+    check_fresh_run(config)   # a fresh run deletes only folders this project made
     try:
         check_model_dir(config.model, "--model")
     except ModelDirError as e:
@@ -54,6 +60,11 @@ def check_before_launch(config: SAOConfig) -> Dict:
     if config.critic_model and not os.path.isdir(config.critic_model):
         raise ConfigError(f"--critic_model={config.critic_model!r} is not a directory (a critic "
                           "directory written by ValueModel.save, or a causal-LM directory)")
+    if config.critic_model:
+        try:
+            check_critic_dir(config.critic_model, config.model)
+        except ModelDirError as e:
+            raise ConfigError(str(e)) from None
     if not needs_model_checks(config):
         return {}
     proc = subprocess.run([sys.executable, "-m", "sao_actor_learner.preflight"],

@@ -21,62 +21,46 @@ until the learner acknowledges it) and re-insert them when the restarted learner
 loss epoch (learner.py).
 
 Each journal record is one write: a 12-byte header (magic, length, crc32) and the pickled list
-of rollouts. A record torn by a crash mid-write fails its crc and is ignored.
+of rollouts. A record torn by a crash mid-write fails its crc and is ignored. A write that
+fails or writes short is an error (`JournalWriteError`): the journal refuses every later record
+and the learner stops (records appended after a torn one would be lost at the next resume).
+
+Segments and checkpoints. A checkpoint at step N rotates the journal: segment N starts with a
+meta record `{"carry": c}` and the c rollouts fetched before the checkpoint but not yet used
+(they are also the last c of the segment before), written and fsynced before the checkpoint.
+Segments from the previous complete checkpoint on are kept (older ones are deleted after the
+checkpoint), so when the newest checkpoint turns out damaged (checkpoint_files.check_checkpoint)
+ResumePoint falls back to the newest intact one, M, and redoes the chain: segment M, then each
+later segment without its first c rollouts. Such a fallback first rewrites segment M as the whole
+chain (meta `merged`: the sha256 of each later segment it now holds; those are deleted after,
+and one still there with that digest is skipped, should a crash come between), so the journal
+is again one segment after its checkpoint. With no intact checkpoint left, the redo starts from the
+initial weights if segment 0 is still there, else resuming fails, naming what was skipped.
 
 No torch here.
 """
 from __future__ import annotations
 
 import collections
+import errno
 import os
-import pickle
-import re
-import shutil
-import struct
 import threading
 import time
-import zlib
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from absl import logging
 
 from sao_actor_learner import core
+from sao_actor_learner.learner.checkpoint_files import (  # noqa: F401 (checkpoint folders)
+    LEARNER_STATE_FILE, check_checkpoint, checkpoint_path, complete_checkpoints,
+    latest_checkpoint, prune_checkpoints)
+from sao_actor_learner.learner.segments import (  # noqa: F401 (the journal's files)
+    file_digest, frame, journal_dir, read_segment, read_segment_meta, segment_path,
+    segment_steps, write_segment)
+from sao_actor_learner.run_dirs import make_owned_dir
 
-_MAGIC = b"SAOJ"
-_HEADER = struct.Struct("<4sII")      # magic, payload length, crc32 of the payload
-_SEGMENT_RE = re.compile(r"^after_step_(\d{6,})\.log$")
-_CHECKPOINT_RE = re.compile(r"^step_(\d{6,})$")
-LEARNER_STATE_FILE = "learner_state.pt"
-
-
-def journal_dir(checkpoint_root: str, rank: int = 0) -> str:
-    """Rank 0's journal is checkpoints/journal; rank r's of a learner group journal_rank<r>."""
-    return os.path.join(checkpoint_root, "journal" if rank == 0 else f"journal_rank{rank}")
-
-
-def segment_path(directory: str, after_step: int) -> str:
-    return os.path.join(directory, f"after_step_{after_step:06d}.log")
-
-
-def read_segment(path: str) -> Tuple[List[List[Any]], int]:
-    """(the records of one journal segment, the byte length of its intact prefix)."""
-    records: List[List[Any]] = []
-    good = 0
-    if not os.path.exists(path):
-        return records, 0
-    with open(path, "rb") as f:
-        data = f.read()
-    pos = 0
-    while pos + _HEADER.size <= len(data):
-        magic, length, crc = _HEADER.unpack_from(data, pos)
-        start, end = pos + _HEADER.size, pos + _HEADER.size + length
-        if magic != _MAGIC or end > len(data) or zlib.crc32(data[start:end]) != crc:
-            logging.warning("journal %s: torn or corrupt record at byte %d (of %d); ignoring "
-                            "the rest", path, pos, len(data))
-            break
-        records.append(pickle.loads(data[start:end]))
-        pos = good = end
-    return records, good
+class JournalWriteError(OSError):
+    """A journal record could not be written whole; the journal takes no more records."""
 
 
 class ReaderJournal:
@@ -84,9 +68,10 @@ class ReaderJournal:
 
     def __init__(self, directory: str, after_step: int) -> None:
         self.directory = directory
-        os.makedirs(directory, exist_ok=True)
+        make_owned_dir(directory)    # marked: a fresh run may clear it (run_dirs.py)
         self._lock = threading.Lock()
         self._fd: Optional[int] = None
+        self.failed: Optional[JournalWriteError] = None
         self.after_step = -1
         self._open(after_step)
 
@@ -102,34 +87,48 @@ class ReaderJournal:
             os.close(old)
 
     def record(self, rollouts: Sequence[Any]) -> None:
-        """Appends one sample() result (one write)."""
-        payload = pickle.dumps(list(rollouts), protocol=pickle.HIGHEST_PROTOCOL)
+        """Appends one sample() result (one write). Raises JournalWriteError when the record is
+        not written whole, and for every record after that."""
+        data = frame(list(rollouts))
         with self._lock:
-            os.write(self._fd, _HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)) + payload)
+            if self.failed is not None:
+                raise self.failed
+            try:
+                written = os.write(self._fd, data)
+                if written != len(data):
+                    raise OSError(errno.EIO, f"short write: {written} of {len(data)} bytes")
+            except OSError as e:
+                self.failed = JournalWriteError(
+                    e.errno, f"journal {segment_path(self.directory, self.after_step)}: a record "
+                    f"could not be written ({e}); no more records are taken: the learner must "
+                    "stop and resume from its checkpoint")
+                raise self.failed from e
 
     def rotate(self, after_step: int, commit: Callable[[], Any],
                carry: Sequence[Sequence[Any]] = ()) -> Any:
         """Moves on to the segment that follows checkpoint `after_step`; returns commit()'s.
 
         `commit()` writes the checkpoint itself (atomically). The new segment, holding `carry`
-        (records not yet handed back to the learner), is on disk before the checkpoint, and the
-        old segments are deleted after it: a crash at any point leaves a checkpoint whose
-        segment holds every rollout sampled after it.
+        (records not yet handed back to the learner) after the meta record counting them, is on
+        disk (fsynced) before the checkpoint; after it the segments older than the previous
+        complete checkpoint (and any newer than this one) are deleted: a crash at any point
+        leaves a checkpoint whose segment holds every rollout sampled after it, and the
+        previous checkpoint its chain of segments (the module docstring).
         """
-        path = segment_path(self.directory, after_step)
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            for records in carry:
-                payload = pickle.dumps(list(records), protocol=pickle.HIGHEST_PROTOCOL)
-                f.write(_HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)) + payload)
-        os.replace(tmp, path)
+        with self._lock:
+            if self.failed is not None:
+                raise self.failed
+        write_segment(segment_path(self.directory, after_step),
+                      {"carry": sum(len(r) for r in carry)}, carry)
         result = commit()
         with self._lock:
             self._open(after_step)
-        for name in os.listdir(self.directory):
-            m = _SEGMENT_RE.match(name)
-            if m and int(m.group(1)) != after_step:
-                os.remove(os.path.join(self.directory, name))
+        previous = [s for s, _ in complete_checkpoints(os.path.dirname(
+            os.path.abspath(self.directory))) if s < after_step]
+        keep_from = previous[0] if previous else 0
+        for step in segment_steps(self.directory):
+            if step < keep_from or step > after_step:
+                os.remove(segment_path(self.directory, step))
         return result
 
     def close(self) -> None:
@@ -185,6 +184,8 @@ class JournaledReader(core.RolloutSource):
         try:
             got = self._reader.sample(n, timeout_s, min_items=min_items)
         except RuntimeError as e:
+            if self.journal.failed is not None:   # the fetch thread could not journal: stop
+                raise self.journal.failed from e
             # Replay went away mid-fetch (a restart): its items that reached the reader stay
             # buffered for the next call; wait a little and report nothing now.
             logging.warning("replay sampling failed (%s); retrying", e)
@@ -247,14 +248,67 @@ class JournaledReader(core.RolloutSource):
 
 # --- resuming -----------------------------------------------------------------------------------
 class ResumePoint:
-    """Where a learner picks up in `checkpoint_root`: the newest complete checkpoint (None: the
-    initial weights), its step, and the rollouts journalled after it."""
+    """Where a learner picks up in `checkpoint_root`: the newest intact checkpoint (None: the
+    initial weights), its step, and the rollouts journalled after it (its chain of segments,
+    the module docstring). `skipped`: (checkpoint, why) of each newer one it could not use,
+    also logged. Reading changes nothing on disk; `reader()` does (a fallback's chain is
+    rewritten as one segment)."""
 
     def __init__(self, checkpoint_root: str, rank: int = 0) -> None:
         self.checkpoint_root = checkpoint_root
-        self.checkpoint, self.step = latest_checkpoint(checkpoint_root)
         self.journal_dir = journal_dir(checkpoint_root, rank)
-        self.replay, _ = read_segment(segment_path(self.journal_dir, self.step))
+        self.skipped: List[Tuple[str, str]] = []
+        self._later: List[int] = []     # segments after the chosen one's (its chain)
+        self._extra = False             # whether they add rollouts to it
+        candidates = complete_checkpoints(checkpoint_root)
+        for i, (step, path) in enumerate(candidates):
+            problem, note = check_checkpoint(path)
+            if problem is None:
+                problem = self._chain(step, newest=i == 0)
+            if problem is None:
+                if note:
+                    logging.warning("learner checkpoint %s: %s", path, note)
+                self.checkpoint, self.step = path, step
+                return
+            self.skipped.append((path, problem))
+            logging.warning("learner checkpoint %s skipped: %s", path, problem)
+        self.checkpoint, self.step = None, 0
+        problem = self._chain(0, newest=not candidates)
+        if problem is not None:
+            raise RuntimeError(
+                f"no learner checkpoint in {checkpoint_root!r} can be resumed from: " +
+                "; ".join(f"{p} skipped: {why}" for p, why in self.skipped) +
+                f"; and the journal from the initial weights: {problem}. Restore an intact "
+                "checkpoint (with its journal segment) there, or start a fresh run")
+        if self.skipped:
+            logging.warning("learner: no intact checkpoint left; redoing from the initial "
+                            "weights with the journal since")
+
+    def _chain(self, step: int, newest: bool) -> Optional[str]:
+        """Reads the rollouts journalled after checkpoint `step` into `replay`; returns why
+        they cannot be had (None: they can)."""
+        first = segment_path(self.journal_dir, step)
+        if not newest and not os.path.exists(first):
+            return f"its journal segment {first} is gone"
+        records, meta, _ = read_segment_meta(first)
+        later = [s for s in segment_steps(self.journal_dir) if s > step]
+        extra: List[Any] = []
+        merged = meta.get("merged", {})
+        for s in later:
+            if merged.get(str(s)) == file_digest(segment_path(self.journal_dir, s)):
+                continue        # already in `first` (a fallback's rewrite), not yet deleted
+            got, meta_s, _ = read_segment_meta(segment_path(self.journal_dir, s))
+            flat = [r for record in got for r in record]
+            if "carry" in meta_s:
+                extra += flat[meta_s["carry"]:]
+            elif os.path.exists(os.path.join(checkpoint_path(self.checkpoint_root, s),
+                                             LEARNER_STATE_FILE)):
+                return (f"journal segment {segment_path(self.journal_dir, s)} has no carry "
+                        "count (written by an older version): the redo cannot be rebuilt")
+            # else: a segment whose checkpoint never completed holds only carried rollouts
+        self.replay = records + ([extra] if extra else [])
+        self._later, self._extra = later, bool(extra)
+        return None
 
     @property
     def resuming(self) -> bool:
@@ -263,7 +317,18 @@ class ResumePoint:
 
     def reader(self, reader: Any) -> JournaledReader:
         """`reader` (or a factory, see JournaledReader) wrapped to journal from here on, after
-        handing back `replay`."""
+        handing back `replay`. After a fallback the chain is first written as one segment."""
+        if self._later and (self.skipped or self._extra):
+            path = segment_path(self.journal_dir, self.step)
+            _, meta, _ = read_segment_meta(path)
+            merged = {str(s): file_digest(segment_path(self.journal_dir, s))
+                      for s in self._later}
+            write_segment(path, {**meta, "merged": merged}, self.replay)
+            for step in self._later:
+                os.remove(segment_path(self.journal_dir, step))
+            logging.warning("learner: journal segments after step %d merged into %s: %s",
+                            self.step, path, self._later)
+            self._later = []
         return JournaledReader(reader, ReaderJournal(self.journal_dir, self.step), self.replay)
 
     def restore(self, learner: Any) -> None:
@@ -276,42 +341,7 @@ class ResumePoint:
         elif self.replay:
             learner.resumed_from = 0
         if self.resuming:
-            logging.info("learner: resumed from %s (version %d); redoing %d journalled rollouts",
+            logging.info("learner: resumed from %s (version %d); redoing %d journalled rollouts%s",
                          self.checkpoint or "the initial weights", learner.version,
-                         sum(len(r) for r in self.replay))
-
-
-# --- checkpoint folders -------------------------------------------------------------------------
-def checkpoint_path(checkpoint_root: str, step: int) -> str:
-    return os.path.join(checkpoint_root, f"step_{step:06d}")
-
-
-def latest_checkpoint(checkpoint_root: str) -> Tuple[Optional[str], int]:
-    """(path, step) of the newest complete learner checkpoint, or (None, 0)."""
-    best: Tuple[Optional[str], int] = (None, 0)
-    if not os.path.isdir(checkpoint_root):
-        return best
-    for name in os.listdir(checkpoint_root):
-        m = _CHECKPOINT_RE.match(name)
-        path = os.path.join(checkpoint_root, name)
-        if m and os.path.exists(os.path.join(path, LEARNER_STATE_FILE)) and \
-                int(m.group(1)) >= best[1]:
-            best = (path, int(m.group(1)))
-    return best
-
-
-def prune_checkpoints(checkpoint_root: str, keep: int) -> None:
-    """Deletes all but the newest `keep` complete checkpoints (keep=0: none deleted) and any
-    unfinished temporary folders."""
-    steps = []
-    for name in os.listdir(checkpoint_root):
-        path = os.path.join(checkpoint_root, name)
-        if name.startswith("step_") and ".tmp" in name:
-            shutil.rmtree(path, ignore_errors=True)
-            continue
-        m = _CHECKPOINT_RE.match(name)
-        if m:
-            steps.append(int(m.group(1)))
-    if keep > 0:
-        for step in sorted(steps)[:-keep]:
-            shutil.rmtree(checkpoint_path(checkpoint_root, step), ignore_errors=True)
+                         sum(len(r) for r in self.replay),
+                         "".join(f"; skipped {p}: {why}" for p, why in self.skipped))

@@ -1,0 +1,110 @@
+"""The folders a run writes that a fresh run clears, and the marker that says they are ours.
+
+A fresh run (resume=False) deletes what a resumed one would pick up: the learner's checkpoint
+and journal folders (`<run_dir>/checkpoints/step_*`, `journal*`), the actors' spools
+(`<run_dir>/spool`), the replay checkpoint (`--replay_checkpoint_dir`, default
+`<run_dir>/checkpoints/replay`) and the variable server's state (`<run_dir>/checkpoints/variables`).
+It deletes only folders this project made: whoever makes one of them (`make_owned_dir`, the
+learner's checkpoint writer) puts the marker file `MARKER` in it first. A missing or empty
+folder is fine; anything else there without the marker (a folder of one's own data given as
+`--replay_checkpoint_dir`, say, or a run folder of a version before the marker) is a ConfigError
+naming the flag and the folder, raised before anything is deleted (`check_fresh_run`, also run by
+preflight.check_before_launch).
+
+Standard library only (the launcher runs it).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from typing import List, Optional, Tuple
+
+from sao_actor_learner.config import ConfigError, SAOConfig
+
+MARKER = ".sao_actor_learner"
+_MARKER_TEXT = ("Made by sao-actor-learner: a fresh run (without --resume) may delete this "
+                "folder and everything in it.\n")
+
+
+def replay_checkpoint_dir(config: SAOConfig, run_dir: Optional[str] = None) -> str:
+    return config.replay_checkpoint_dir or os.path.join(run_dir or config.run_dir, "checkpoints",
+                                                        "replay")
+
+
+def variables_state_dir(run_dir: str) -> str:
+    """Where the variable server keeps its admission counters and progress (a restart resumes
+    them, so the staleness bound holds across it)."""
+    return os.path.join(run_dir, "checkpoints", "variables")
+
+
+def mark_owned(path: str) -> None:
+    """Writes the marker into the folder `path` (which this project made)."""
+    with open(os.path.join(path, MARKER), "w") as f:
+        f.write(_MARKER_TEXT)
+
+
+def make_owned_dir(path: str) -> str:
+    """Makes the folder `path` (and its parents) and marks it as ours when this call made it or
+    found it empty; a folder that already holds something keeps what it has (marked or not)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if not os.path.isdir(path) or os.listdir(path):
+            return path
+    mark_owned(path)
+    return path
+
+
+def is_owned(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def fresh_run_paths(config: SAOConfig, run_dir: Optional[str] = None) -> List[Tuple[str, str]]:
+    """(folder, flag that chose it) for every folder a fresh run clears."""
+    run_dir = run_dir or config.run_dir
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    paths = [(p, "--run_dir") for p in sorted(glob.glob(os.path.join(checkpoints, "step_*")) +
+                                              glob.glob(os.path.join(checkpoints, "journal*")))]
+    paths.append((os.path.join(run_dir, "spool"), "--run_dir"))
+    paths.append((replay_checkpoint_dir(config, run_dir),
+                  "--replay_checkpoint_dir" if config.replay_checkpoint_dir else "--run_dir"))
+    paths.append((variables_state_dir(run_dir), "--run_dir"))
+    return paths
+
+
+def check_clearable(path: str, flag: str) -> None:
+    """Raises ConfigError unless `path` is missing, an empty folder, or a folder we marked."""
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        if is_owned(path) or not os.listdir(path):
+            return
+        what = "a folder this project did not make (it has no " + MARKER + " marker)"
+    else:
+        what = "not a folder this project made"
+    raise ConfigError(
+        f"{flag}: {path!r} is {what}, and a fresh run would delete it. Pick an empty or new "
+        f"folder (for {flag}), or remove {path!r} yourself if its contents may go; --resume "
+        "continues a run there instead.")
+
+
+def check_fresh_run(config: SAOConfig, run_dir: Optional[str] = None) -> None:
+    """Raises ConfigError naming the first folder a fresh run must not delete (none with
+    --resume, which deletes nothing)."""
+    if config.resume:
+        return
+    for path, flag in fresh_run_paths(config, run_dir):
+        check_clearable(path, flag)
+
+
+def clear_fresh_run(config: SAOConfig, run_dir: Optional[str] = None) -> None:
+    """Checks every folder a fresh run clears (check_fresh_run), then deletes them."""
+    paths = fresh_run_paths(config, run_dir)
+    for path, flag in paths:
+        check_clearable(path, flag)
+    for path, _ in paths:
+        if os.path.isdir(path):
+            shutil.rmtree(path)

@@ -1,0 +1,92 @@
+"""A fresh run deletes only the folders this project made (run_dirs.py): a folder of one's own
+data given as --replay_checkpoint_dir (or found where the run keeps its spools, checkpoints or
+journal) is a ConfigError naming the flag and the folder, raised before launch and before
+anything is deleted; folders the nodes made carry a marker and are cleared."""
+import os
+
+import pytest
+
+from sao_actor_learner.builder import make_replay_server, prepare_run_dir
+from sao_actor_learner.config import ConfigError, SAOConfig
+from sao_actor_learner.learner.journal import ReaderJournal, journal_dir
+from sao_actor_learner.preflight import check_before_launch
+
+
+def make_owned_dir(path):
+    from sao_actor_learner.run_dirs import make_owned_dir
+    return make_owned_dir(path)
+
+
+def _marker():
+    from sao_actor_learner.run_dirs import MARKER
+    return MARKER
+
+
+def _own_data(path):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "thesis.tex"), "w") as f:
+        f.write("years of work\n")
+    return path
+
+
+def test_a_folder_of_ones_own_data_is_refused_not_deleted(tmp_path):
+    data = _own_data(str(tmp_path / "my_data"))
+    config = SAOConfig(run_dir=str(tmp_path / "run"), replay_checkpoint_dir=data,
+                       model=str(tmp_path / "no_model"))
+    with pytest.raises(ConfigError, match=r"--replay_checkpoint_dir: .*my_data.*did not make.*"
+                                          r"empty or new folder.*remove"):
+        prepare_run_dir(config)
+    assert os.path.exists(os.path.join(data, "thesis.tex"))
+    # Before launch, before the model is even looked at.
+    with pytest.raises(ConfigError, match="--replay_checkpoint_dir"):
+        check_before_launch(config)
+    assert os.path.exists(os.path.join(data, "thesis.tex"))
+
+
+@pytest.mark.parametrize("where", ["spool", "checkpoints/step_000003", "checkpoints/journal",
+                                   "checkpoints/replay", "checkpoints/variables"])
+def test_unmarked_folders_in_the_run_dir_are_refused(tmp_path, where):
+    run = tmp_path / "run"
+    data = _own_data(str(run / where))
+    config = SAOConfig(run_dir=str(run))
+    with pytest.raises(ConfigError, match=f"--run_dir: .*{where}"):
+        prepare_run_dir(config)
+    assert os.path.exists(os.path.join(data, "thesis.tex"))
+
+
+def test_nothing_is_deleted_when_any_folder_is_refused(tmp_path):
+    run = tmp_path / "run"
+    spool = make_owned_dir(str(run / "spool"))
+    _own_data(spool)
+    _own_data(str(tmp_path / "mine"))
+    config = SAOConfig(run_dir=str(run), replay_checkpoint_dir=str(tmp_path / "mine"))
+    with pytest.raises(ConfigError, match="--replay_checkpoint_dir"):
+        prepare_run_dir(config)
+    assert os.path.exists(os.path.join(spool, "thesis.tex"))
+
+
+def test_folders_the_nodes_made_are_cleared_and_empty_ones_are_fine(tmp_path):
+    run = tmp_path / "run"
+    config = SAOConfig(run_dir=str(run), replay_checkpoint_dir=str(tmp_path / "replay_ckpt"))
+    os.makedirs(tmp_path / "replay_ckpt")              # an empty folder may be used
+    server = make_replay_server(config, run_dir=str(run))   # marks it (does not start)
+    assert os.path.exists(os.path.join(server.checkpoint_dir, _marker()))
+    _own_data(server.checkpoint_dir)
+    journal = ReaderJournal(journal_dir(str(run / "checkpoints")), 0)   # the learner's journal
+    journal.record([1, 2, 3])
+    journal.close()
+    spool = make_owned_dir(str(run / "spool"))          # what make_actor does
+    _own_data(spool)
+    os.makedirs(run / "checkpoints" / "variables")      # empty: fine
+    prepare_run_dir(config)
+    for gone in (server.checkpoint_dir, str(run / "spool"), str(run / "checkpoints" / "journal"),
+                 str(run / "checkpoints" / "variables")):
+        assert not os.path.exists(gone), gone
+
+
+def test_a_folder_that_already_holds_something_is_not_marked(tmp_path):
+    data = _own_data(str(tmp_path / "data"))
+    make_owned_dir(data)
+    assert not os.path.exists(os.path.join(data, _marker()))
+    with pytest.raises(ConfigError):
+        prepare_run_dir(SAOConfig(run_dir=str(tmp_path / "run"), replay_checkpoint_dir=data))
