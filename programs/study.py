@@ -55,6 +55,7 @@ from programs import sweeps  # noqa: E402
 from programs.studies import plots as study_plots  # noqa: E402
 from programs.studies import pool as study_pool  # noqa: E402
 from programs.studies import presets as studies  # noqa: E402
+from programs.studies import tables as study_tables  # noqa: E402
 from sao_actor_learner.builder import make_program  # noqa: E402
 from sao_actor_learner.config import ConfigError, SAOConfig  # noqa: E402
 from sao_actor_learner.flags import config_from_flags, define_flags_from_dataclass  # noqa: E402
@@ -200,6 +201,9 @@ def run_study(study, plans, earlier_cells, ran_side_by_side=frozenset(),
         "elapsed_s_all_invocations": sum(h["elapsed_s"] for h in history),
         "cells_run_all_invocations": sum(h["cells_run_now"] for h in history),
         "bases": {b.task: json.loads(b.to_json()) for b, _ in plans},
+        # one Holm family per metric (programs/studies/tables.py), the primary metric first
+        "primary_metric": study_tables.PRIMARY_METRIC,
+        "comparison_families": study_tables.families(comps),
     }
     sweeps.write_json_atomic(os.path.join(out, "study.json"), info)
     with open(os.path.join(out, "summary.md"), "w") as f:

@@ -61,7 +61,8 @@ def test_a_two_rank_step_equals_the_single_process_whole_batch_step(overrides, t
             diff = float((group["critic"][name].double() - tensor.double()).norm())
             assert diff <= 1e-5 * float(tensor.double().norm()) + 1e-12, (name, diff)
     for key in ("policy_loss", "masked_frac", "kl_rollout", "ess", "value_loss",
-                "explained_variance", "advantage_mean"):
+                "explained_variance", "advantage_mean", "chi2_token", "chi2_seq", "ppl_ratio",
+                "token_entropy_mean", "advantage_std", "advantage_pos_frac"):
         if key in stats:
             assert group["stats"][key] == pytest.approx(stats[key], rel=1e-5, abs=1e-7), key
 

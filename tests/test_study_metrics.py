@@ -245,3 +245,104 @@ def test_eval_recovery_against_brute_force():
     got = sm.eval_recovery({0: 0.5, 2: 0.9, 4: 0.3, 6: 0.8, 8: 0.2}, 4, 8, 0.75)
     assert got[0]["steps_to_recover"] == 2   # the phase holds 4, 6 and the last version, 8
     assert got[0]["phase_mean"] == pytest.approx((0.3 + 0.8 + 0.2) / 3)
+
+
+# --- p-values and multiplicity ------------------------------------------------------------------
+def slow_welch_p(a, b):
+    """Welch's t and df written out, the two tails by Simpson's rule on the t density."""
+    na, nb = len(a), len(b)
+    ma, mb = sum(a) / na, sum(b) / nb
+    sa = sum((x - ma) ** 2 for x in a) / (na - 1)
+    sb = sum((x - mb) ** 2 for x in b) / (nb - 1)
+    se2 = sa / na + sb / nb
+    df = se2 ** 2 / ((sa / na) ** 2 / (na - 1) + (sb / nb) ** 2 / (nb - 1))
+    t = (ma - mb) / math.sqrt(se2)
+    return 2 * slow_t_cdf(-abs(t), df)
+
+
+def slow_holm(ps):
+    """By the definition: p_(1) <= ... <= p_(m) (the Nones left out); the adjusted p of the
+    i-th is max over j <= rank(i) of min(1, (m - j + 1) p_(j))."""
+    kept = [p for p in ps if p is not None]
+    m = len(kept)
+    order = sorted(range(m), key=lambda i: kept[i])   # order[r - 1]: the index of rank r
+    adjusted = [max(min(1.0, (m - j + 1) * kept[order[j - 1]])
+                    for j in range(1, order.index(i) + 2)) for i in range(m)]
+    it = iter(adjusted)
+    return [None if p is None else next(it) for p in ps]
+
+
+def slow_bonferroni(ps):
+    m = sum(p is not None for p in ps)
+    return [None if p is None else min(1.0, p * m) for p in ps]
+
+
+def test_welch_p_against_integration_and_the_interval():
+    rng = random.Random(5)
+    for trial in range(40):
+        a = [rng.gauss(0.5, rng.uniform(0.01, 0.2)) for _ in range(rng.randint(2, 10))]
+        b = [rng.gauss(rng.uniform(0.3, 0.7), rng.uniform(0.01, 0.2))
+             for _ in range(rng.randint(2, 10))]
+        p = sm.welch_p(a, b)
+        assert p == pytest.approx(slow_welch_p(a, b), abs=1e-6), trial
+        # p < 0.05 exactly when the 95% interval excludes 0; at an end of it p is 0.05
+        d = sm.welch(a, b)
+        assert (p < 0.05) == (sm.verdict(d) != "indistinguishable"), trial
+        assert sm.welch_p([x - d["lo"] for x in a], b) == pytest.approx(0.05, abs=1e-7), trial
+        assert sm.welch_p(b, a) == pytest.approx(p)
+
+
+def test_welch_p_known_values():
+    # scipy.stats.ttest_ind([1, 2, 3], [4, 5, 6], equal_var=False).pvalue (t = -3.674, df = 4)
+    assert sm.welch_p([1, 2, 3], [4, 5, 6]) == pytest.approx(0.021311641128756, abs=1e-10)
+    # two seeds each with the same spread: df = 2, where 2 P(T <= -|t|) = 1 - |t| / sqrt(2 + t^2)
+    a, b = [0.1, 0.3], [0.5, 0.7]
+    t = (0.2 - 0.6) / math.sqrt(0.02 / 2 + 0.02 / 2)
+    assert sm.welch_p(a, b) == pytest.approx(1 - abs(t) / math.sqrt(2 + t * t), abs=1e-10)
+    # one side without variance, two seeds on the other: df = 1 (Cauchy), p = 1 - 2 atan|t| / pi
+    t = (1.0 - 0.25) / math.sqrt(0.5 / 2)
+    assert sm.welch_p([0.5, 1.5], [0.25, 0.25]) == pytest.approx(
+        1 - 2 * math.atan(abs(t)) / math.pi, abs=1e-10)
+    # the textbook 97.5% point of t_4 (2.776) is p = 0.05: three seeds each, equal spreads
+    a = [-1.0, 0.0, 1.0]
+    shift = 2.776 * math.sqrt(2 / 3)
+    assert sm.welch_p([x + shift for x in a], a) == pytest.approx(0.05, abs=1e-4)
+    assert sm.welch_p(a, a) == pytest.approx(1.0)
+    # no test, as welch has no interval: one seed, no finite values, both without variance
+    assert sm.welch_p([0.5], [0.1, 0.2]) is None
+    assert sm.welch_p([0.1, 0.2], [None, "x", float("nan")]) is None
+    assert sm.welch_p([1.0, 1.0], [0.0, 0.0]) is None
+    assert sm.welch_p(["0.1", "0.3"], [0.5, 0.7]) == sm.welch_p([0.1, 0.3], [0.5, 0.7])
+
+
+def test_holm_and_bonferroni_against_their_definitions():
+    rng = random.Random(6)
+    for trial in range(300):
+        ps = [rng.choice([None, rng.random(), rng.random() / 50, 1.0, 0.0])
+              for _ in range(rng.randint(0, 9))]
+        if ps and rng.random() < 0.3:
+            ps.append(rng.choice(ps))   # ties
+        got = sm.holm(ps)
+        want = slow_holm(ps)
+        assert [g is None for g in got] == [p is None for p in ps], trial
+        assert [g for g in got if g is not None] == pytest.approx(
+            [w for w in want if w is not None]), trial
+        assert sm.bonferroni(ps) == slow_bonferroni(ps), trial
+        for p, h, bf in zip(ps, got, sm.bonferroni(ps)):
+            if p is not None:
+                assert p <= h <= bf <= 1.0, trial   # Holm is never worse than Bonferroni
+        kept = sorted((p, h) for p, h in zip(ps, got) if p is not None)
+        assert all(h1 <= h2 for (_, h1), (_, h2) in zip(kept, kept[1:])), trial   # monotone
+
+
+def test_holm_and_bonferroni_by_hand():
+    # sorted: 0.005 (x4 = 0.02), 0.01 (x3 = 0.03), 0.03 (x2 = 0.06), 0.04 (x1, but >= 0.06)
+    assert sm.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert sm.bonferroni([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.04, 0.16, 0.12, 0.02])
+    # Nones pass through and do not count: m = 2
+    assert sm.holm([None, 0.01, 0.04, None]) == [None, pytest.approx(0.02), 0.04, None]
+    assert sm.bonferroni([None, 0.01, 0.04, None]) == [None, 0.02, 0.08, None]
+    assert sm.holm([0.6, 0.7]) == [1.0, 1.0] and sm.bonferroni([0.6, 0.7]) == [1.0, 1.0]
+    assert sm.holm([]) == [] and sm.holm([None]) == [None] and sm.holm([0.3]) == [0.3]
+    with pytest.raises(ValueError):
+        sm.holm([0.1, 1.5])

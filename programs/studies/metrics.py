@@ -6,7 +6,10 @@ Standard library only. Each function has a slow, obvious twin in tests/test_stud
   Student t distribution with n - 1 degrees of freedom (`mean +- t * s / sqrt(n)`, `s` the
   sample standard deviation). One seed has no interval (None).
 - `welch`: the difference of two means and its Welch-Satterthwaite confidence interval, the
-  test behind every "A > B" verdict of the report.
+  test behind every "A > B" verdict of the report; `welch_p`: the same test's two-sided p-value
+  (below 0.05 exactly when the 95% interval excludes 0).
+- `holm`, `bonferroni`: p-values adjusted for the number of tests in a family (the study's
+  families: programs/studies/tables.py).
 - `collapse_step`: whether and when a run collapses (the rule of sweeps.is_collapsed, dated).
 - `recovery`: adaptation after a reward shift (steps until a moving average is back at a
   fraction of its pre-shift level).
@@ -142,6 +145,66 @@ def welch(a: Sequence, b: Sequence, confidence: float = 0.95) -> Dict[str, Optio
                            + (vb ** 2 / (len(xb) - 1) if vb else 0.0))
     half = t_quantile(0.5 + confidence / 2.0, df) * math.sqrt(va + vb)
     out.update(lo=ma - mb - half, hi=ma - mb + half, df=df)
+    return out
+
+
+def welch_p(a: Sequence, b: Sequence) -> Optional[float]:
+    """The two-sided p-value of Welch's t-test of mean(a) = mean(b).
+
+    t = (mean(a) - mean(b)) / sqrt(s_a^2 / n_a + s_b^2 / n_b) on the Welch-Satterthwaite df,
+    p = 2 P(T <= -|t|). None where `welch` has no df: fewer than two finite values on a side,
+    or zero variance on both (the difference is then exact, or a tie: no test applies).
+    """
+    xa, xb = _finite(a), _finite(b)
+    if len(xa) < 2 or len(xb) < 2:
+        return None
+    ma, mb = sum(xa) / len(xa), sum(xb) / len(xb)
+    va = sum((x - ma) ** 2 for x in xa) / (len(xa) - 1) / len(xa)
+    vb = sum((x - mb) ** 2 for x in xb) / (len(xb) - 1) / len(xb)
+    if va + vb == 0.0:
+        return None
+    df = (va + vb) ** 2 / ((va ** 2 / (len(xa) - 1) if va else 0.0)
+                           + (vb ** 2 / (len(xb) - 1) if vb else 0.0))
+    t = (ma - mb) / math.sqrt(va + vb)
+    return min(1.0, 2.0 * t_cdf(-abs(t), df))
+
+
+def _counted(pvalues: Sequence[Optional[float]]) -> List[int]:
+    """The indices of the p-values that count in a family (None entries do not)."""
+    out = []
+    for i, p in enumerate(pvalues):
+        if p is None:
+            continue
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"p-value {p!r} at {i}: must be in [0, 1] or None")
+        out.append(i)
+    return out
+
+
+def bonferroni(pvalues: Sequence[Optional[float]]) -> List[Optional[float]]:
+    """min(1, m p) for each p-value, m the number of them that are not None (passed through)."""
+    idx = _counted(pvalues)
+    out: List[Optional[float]] = [None] * len(pvalues)
+    for i in idx:
+        out[i] = min(1.0, len(idx) * pvalues[i])
+    return out
+
+
+def holm(pvalues: Sequence[Optional[float]]) -> List[Optional[float]]:
+    """Holm-Bonferroni (step-down) adjusted p-values, in the order given.
+
+    With the m non-None p-values sorted, p_(1) <= ... <= p_(m): the adjusted p_(k) is
+    max over j <= k of min(1, (m - j + 1) p_(j)), monotone in k and capped at 1. Rejecting
+    where the adjusted value is < alpha is Holm's procedure at family-wise error rate alpha.
+    None entries are passed through and do not count in m.
+    """
+    idx = sorted(_counted(pvalues), key=lambda i: pvalues[i])
+    m = len(idx)
+    out: List[Optional[float]] = [None] * len(pvalues)
+    running = 0.0
+    for k, i in enumerate(idx):
+        running = max(running, min(1.0, (m - k) * pvalues[i]))
+        out[i] = running
     return out
 
 

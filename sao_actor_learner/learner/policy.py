@@ -16,7 +16,9 @@ So a micro-batched (or 2-rank) step gives the parameters of the whole-batch step
 
 Statistics are exact batch statistics: the per-token log-probs of every micro-batch (and every
 rank) are put back together and the loss function's statistics are computed once on the whole
-batch (`whole_batch_stats`).
+batch (`whole_batch_stats`), with the drift metrics of `drift.py` (chi-squared, perplexity ratio,
+the policy's token entropy, advantage statistics); a step whose ess, kl_rollout or chi2_token
+crosses its threshold logs a warning and is counted (`drift_alarm_<name>`, config drift_alarms).
 
 Log-probs: log pi_theta(x_t | x_<t) under the rollouts' sampling distribution (temperature and
 top_p, `distributions.py`), over the first `token_limit` rows of the LM head. With
@@ -36,7 +38,7 @@ from absl import logging
 from sao_actor_learner import kernels
 from sao_actor_learner.config.learner import LearnerConfig
 from sao_actor_learner.distributions import sampling_logprobs
-from sao_actor_learner.learner import distributed, losses, minibatches
+from sao_actor_learner.learner import distributed, drift, losses, minibatches
 from sao_actor_learner.learner.schedules import lr_factor
 from sao_actor_learner.models.value import base_model_of
 from sao_actor_learner.types import Batch
@@ -77,8 +79,8 @@ class JointLoss(Protocol):
     loss before the one backward; then `reduce_and_clip()` sums its own parameters' gradients
     over the group, clips them and returns [its loss total, its gradient norm] for the
     finiteness check; then `step()`, or `skip()` when the step is skipped. `cached_forward(rows,
-    micro)` may hand back the (log-probs, hidden) of a forward already run on exactly `micro`
-    (with gradient), which the step then uses instead of its own."""
+    micro)` may hand back the (log-probs, hidden[, entropy]) of a forward already run on exactly
+    `micro` (with gradient; `forward_and_entropy`), which the step then uses instead of its own."""
 
     def zero_grad(self) -> None: ...
 
@@ -118,6 +120,9 @@ class PolicyTrainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=config.policy_lr, betas=(0.9, 0.999),
                                            weight_decay=0.0)
         self.nonfinite_skipped = 0
+        self.alarms = drift.DriftAlarms(config.alarm_min_ess, config.alarm_max_kl,
+                                        config.alarm_max_chi2) if config.drift_alarms else None
+        self._entropy_complete = True   # every micro-batch of the step gave its entropies
         if config.gradient_checkpointing:
             policy.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -145,6 +150,16 @@ class PolicyTrainer:
         """(log-probs [B, T] as `logprobs`, the trunk's last hidden state [B, T, H]): one
         forward of the policy's body, the hidden state as the LM head (and a shared value
         head) read it."""
+        return self._forward(batch, entropy=False)[:2]
+
+    def forward_and_entropy(self, batch: Batch):
+        """`forward`'s (log-probs, hidden) and the entropy [B, T] (float32, no gradient, 0 at
+        position 0) of the sampling distribution at each position, computed with the log-probs
+        (fused: inside the kernel; top_p < 1: from the rows of logits held anyway); None when
+        config.token_entropy is off."""
+        return self._forward(batch, entropy=self.config.token_entropy)
+
+    def _forward(self, batch: Batch, entropy: bool):
         cfg = self.config
         with autocast(cfg.dtype, self.device):
             head = self.policy.get_output_embeddings()
@@ -155,26 +170,40 @@ class PolicyTrainer:
             if cfg.fused_logprobs and getattr(head, "bias", None) is None and self.top_p >= 1.0:
                 h = hidden[:, :-1]
                 w = weight.to(h.dtype) if cfg.kernel_backend != "torch" else weight
-                picked = kernels.fused_logprobs(h, w, targets, temperature=self.temperature,
-                                                backend=cfg.kernel_backend).float()
+                out = kernels.fused_logprobs(h, w, targets, temperature=self.temperature,
+                                             return_entropy=entropy, backend=cfg.kernel_backend)
+                picked, ent = out if entropy else (out, None)
+                picked = picked.float()
             else:
-                picked = self._nucleus_logprobs(hidden[:, :-1], head, weight, targets)
-        return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1), hidden
+                picked, ent = self._nucleus_logprobs(hidden[:, :-1], head, weight, targets,
+                                                     entropy)
+        logp = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+        if ent is not None:
+            ent = ent.detach().float()
+            ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+        return logp, hidden, ent
 
     def _nucleus_logprobs(self, hidden: torch.Tensor, head: torch.nn.Module,
-                          weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Log-probs of `targets` under sampling_logprobs, a few rows of logits at a time."""
+                          weight: torch.Tensor, targets: torch.Tensor, entropy: bool = False):
+        """(log-probs of `targets` under sampling_logprobs, their distributions' entropies or
+        None), a few rows of logits at a time."""
         B, T, H = hidden.shape
         flat_h, flat_t = hidden.reshape(-1, H), targets.reshape(-1)
         bias = getattr(head, "bias", None)
-        out = []
+        out, ents = [], []
         for start in range(0, flat_h.shape[0], _NUCLEUS_ROWS):
             h = flat_h[start:start + _NUCLEUS_ROWS]
             logits = torch.nn.functional.linear(
                 h, weight, None if bias is None else bias[:weight.shape[0]])
             logp = sampling_logprobs(logits, self.temperature, self.top_p)
             out.append(logp.gather(-1, flat_t[start:start + _NUCLEUS_ROWS, None])[:, 0])
-        return torch.cat(out).reshape(B, T).clamp(min=LOGP_FLOOR)
+            if entropy:   # -sum p log p over the nucleus (tokens outside it have p = 0)
+                with torch.no_grad():
+                    lp = logp.detach().float()
+                    ents.append(-torch.where(torch.isfinite(lp), lp.exp() * lp,
+                                             torch.zeros_like(lp)).sum(-1))
+        picked = torch.cat(out).reshape(B, T).clamp(min=LOGP_FLOOR)
+        return picked, torch.cat(ents).reshape(B, T) if entropy else None
 
     def logprobs_no_grad(self, batch: Batch) -> torch.Tensor:
         """[B, T] log-probs of the whole batch without gradient, micro-batch by micro-batch."""
@@ -201,20 +230,33 @@ class PolicyTrainer:
             old_logp = self.logprobs_no_grad(batch)
         logp_all = torch.zeros(batch.tokens.shape, dtype=torch.float32,
                                device=batch.tokens.device)
+        entropy_all = torch.zeros_like(logp_all) if cfg.token_entropy else None
+        self._entropy_complete = cfg.token_entropy
         norms: List[float] = []
         for rows in minibatches.row_splits(batch.size, cfg.policy_minibatches):
             mb = batch if len(rows) == batch.size else minibatches.select_rows(batch, rows)
-            norms.append(self._optimizer_step(mb, rows, advantages, old_logp, logp_all, joint))
-        stats = self.whole_batch_stats(batch, logp_all, advantages, old_logp)
+            norms.append(self._optimizer_step(mb, rows, advantages, old_logp, logp_all, joint,
+                                              entropy_all))
+        if cfg.token_entropy and self.collective.world_size > 1:   # every rank, or none
+            self._entropy_complete = not self.collective.max(
+                [0.0 if self._entropy_complete else 1.0])[0]
+        stats = self.whole_batch_stats(batch, logp_all, advantages, old_logp,
+                                       entropy_all if self._entropy_complete else None)
         finite = [n for n in norms if n == n and n != float("inf")]
         stats["policy_grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         stats["policy_minibatches"] = len(norms)
         stats["nonfinite_skipped"] = self.nonfinite_skipped
+        if self.alarms is not None:
+            for message in self.alarms.check(stats):
+                if self.collective.is_main:
+                    logging.warning("drift alarm: %s", message)
+            stats.update(self.alarms.counters())
         return stats
 
     def _optimizer_step(self, mb: Batch, rows: Sequence[int], advantages: torch.Tensor,
                         old_logp: Optional[torch.Tensor], logp_all: torch.Tensor,
-                        joint: Optional["JointLoss"] = None) -> float:
+                        joint: Optional["JointLoss"] = None,
+                        entropy_all: Optional[torch.Tensor] = None) -> float:
         cfg = self.config
         rows_t = torch.as_tensor(rows, device=mb.tokens.device)
         adv, old = advantages[rows_t], None if old_logp is None else old_logp[rows_t]
@@ -229,7 +271,9 @@ class PolicyTrainer:
             width = micro.tokens.shape[1]
             m = torch.as_tensor(micro_rows, device=mb.tokens.device)
             cached = None if joint is None else joint.cached_forward(rows_t[m], micro)
-            logp, hidden = cached if cached is not None else self.forward(micro)
+            logp, hidden, *rest = cached if cached is not None else \
+                self.forward_and_entropy(micro)
+            entropy = rest[0] if rest else None
             loss, s = self._loss(micro, logp, adv[m, :width],
                                  None if old is None else old[m, :width], n_actions)
             total = loss if joint is None else loss + joint.loss(rows_t[m], micro, hidden,
@@ -238,6 +282,10 @@ class PolicyTrainer:
             loss_total += float(loss.detach())
             kept += s["num_kept_tokens"]
             logp_all[rows_t[m], :width] = logp.detach()
+            if entropy_all is not None and entropy is not None:
+                entropy_all[rows_t[m], :width] = entropy
+            else:
+                self._entropy_complete = False
         distributed.all_reduce_gradients(self.params, self.collective)
         if cfg.loss_normalization == "kept_tokens":
             kept_total = self.collective.sum([kept])[0]
@@ -280,14 +328,18 @@ class PolicyTrainer:
                                   normalization=cfg.loss_normalization, normalizer=normalizer)
 
     def whole_batch_stats(self, batch: Batch, logp: torch.Tensor, advantages: torch.Tensor,
-                          old_logp: Optional[torch.Tensor]) -> Dict[str, float]:
+                          old_logp: Optional[torch.Tensor],
+                          entropy: Optional[torch.Tensor] = None) -> Dict[str, float]:
         """The loss's statistics on the whole batch of the whole group, from the detached
         per-token log-probs the step computed (the loss value included: it is the loss of the
-        parameters before the step, as every micro-batch saw them)."""
+        parameters before the step, as every micro-batch saw them), and the drift metrics
+        (drift.drift_stats; token_entropy_mean when `entropy` is given)."""
         tensors = {"logp": logp, "rollout_logp": batch.rollout_logp.float(),
                    "advantages": advantages.float(), "mask": batch.action_mask.float()}
         if old_logp is not None:
             tensors["old_logp"] = old_logp.float()
+        if entropy is not None:
+            tensors["entropy"] = entropy.float()
         t = gather_rows(self.collective, tensors)
         with torch.no_grad():
             _, stats = losses.policy_loss(
@@ -297,14 +349,19 @@ class PolicyTrainer:
                 clip_high=self.config.ppo_clip_high, tis_cap=self.config.tis_cap,
                 icepop_low=self.config.icepop_low, icepop_high=self.config.icepop_high,
                 normalization=self.config.loss_normalization)
+            stats.update(drift.drift_stats(t["logp"], t["rollout_logp"], t["advantages"],
+                                           t["mask"], t.get("entropy")))
         return stats
 
     # Checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The optimizer (whole, also under FSDP2: every rank must call it) and counters."""
         return {"optimizer": distributed.optimizer_state(self.policy, self.optimizer),
-                "nonfinite_skipped": self.nonfinite_skipped}
+                "nonfinite_skipped": self.nonfinite_skipped,
+                "drift_alarms": None if self.alarms is None else self.alarms.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         distributed.load_optimizer_state(self.policy, self.optimizer, state["optimizer"])
         self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
+        if self.alarms is not None:
+            self.alarms.load_state_dict(state.get("drift_alarms") or {})
