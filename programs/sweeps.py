@@ -50,7 +50,7 @@ REWARD_WINDOW = 5  # steps averaged for "final reward" and the collapse test
 
 RESULT_COLUMNS = (
     "method", "algorithm", "policy_loss", "staleness_mode", "max_staleness", "batch_shape",
-    "prompts_per_batch", "group_size", "seed", "value_pretrain_steps", "steps",
+    "prompts_per_batch", "group_size", "seed", "value_pretrain_rollouts", "steps",
     "final_reward", "best_reward", "initial_eval_accuracy", "final_eval_accuracy", "mean_kl",
     "mean_masked_frac", "mean_ess", "mean_staleness", "max_staleness_seen", "dropped_stale",
     "mean_explained_variance", "collapsed", "wall_time_s", "status", "run_dir")
@@ -161,7 +161,7 @@ def result_row(cell: Cell, config: SAOConfig, summary: Dict, status: str = "ok")
         "method": cell.method, "algorithm": config.algorithm, "policy_loss": config.policy_loss,
         "staleness_mode": cell.staleness_mode, "max_staleness": cell.max_staleness,
         "batch_shape": cell.shape, "prompts_per_batch": prompts, "group_size": group,
-        "seed": cell.seed, "value_pretrain_steps": config.value_pretrain_steps,
+        "seed": cell.seed, "value_pretrain_rollouts": config.value_pretrain_rollouts,
         "steps": summary.get("steps", len(train)),
         "final_reward": smooth[-1] if smooth else None,
         "best_reward": max(smooth) if smooth else None,

@@ -13,6 +13,8 @@ from typing import Optional
 
 from sao_actor_learner import core
 from sao_actor_learner.config import SAOConfig
+from sao_actor_learner.run_dirs import (clear_fresh_run, make_owned_dir, replay_checkpoint_dir,
+                                        variables_state_dir)
 
 
 def setup_process(config: SAOConfig, offset: int = 0) -> None:
@@ -46,18 +48,14 @@ def make_replay_server(config: SAOConfig, port: int = 0, run_dir: Optional[str] 
     """The replay node; with config.replay_checkpoints it restores the newest Reverb checkpoint
     in replay_checkpoint_dir when it starts and writes one periodically and when it stops."""
     from sao_actor_learner.replay import ReplayServer
-    checkpoint_dir = replay_checkpoint_dir(config, run_dir) if config.replay_checkpoints else None
+    checkpoint_dir = make_owned_dir(replay_checkpoint_dir(config, run_dir)) \
+        if config.replay_checkpoints else None   # marked: a fresh run may clear it (run_dirs)
     return ReplayServer(config.effective_queue_capacity, port=port, checkpoint_dir=checkpoint_dir,
                         checkpoint_every_s=config.replay_checkpoint_every_s if checkpoint_dir
                         else 0.0)
 
 
 # --- fault tolerance and security ------------------------------------------------------------------
-def replay_checkpoint_dir(config: SAOConfig, run_dir: Optional[str] = None) -> str:
-    return config.replay_checkpoint_dir or os.path.join(run_dir or config.run_dir, "checkpoints",
-                                                        "replay")
-
-
 def check_launch_security(config: SAOConfig, auth_token: Optional[str] = None) -> str:
     """The auth token to use (`auth_token`, else $SAO_AUTH_TOKEN); raises ConfigError when the
     variable server would bind a non-loopback address without one."""
@@ -73,19 +71,14 @@ def check_launch_security(config: SAOConfig, auth_token: Optional[str] = None) -
 
 def prepare_run_dir(config: SAOConfig, run_dir: Optional[str] = None) -> None:
     """A fresh run (resume=False) clears what a resumed one would pick up from run_dir: learner
-    checkpoints and journal, the replay checkpoint and the actors' spools."""
-    import glob
-    import shutil
+    checkpoints and journal, the replay checkpoint, the actors' spools and the variable server's
+    state; only folders this project made (ConfigError naming the flag and folder otherwise,
+    run_dirs.py)."""
     run_dir = run_dir or config.run_dir
     if config.resume:
         _check_resumable(config, run_dir)
         return
-    doomed = glob.glob(os.path.join(run_dir, "checkpoints", "step_*")) + \
-        glob.glob(os.path.join(run_dir, "checkpoints", "journal*")) + [
-            os.path.join(run_dir, "spool"), replay_checkpoint_dir(config, run_dir),
-            variables_state_dir(run_dir)]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+    clear_fresh_run(config, run_dir)
 
 
 def _check_resumable(config: SAOConfig, run_dir: str) -> None:
@@ -161,12 +154,6 @@ def _publisher_shm(config: SAOConfig, run_dir: str) -> dict:
         os.path.normpath(run_dir)) or "run", "shm_keep_versions": _server_keep_versions(config) + 1}
 
 
-def variables_state_dir(run_dir: str) -> str:
-    """Where the variable server keeps its admission counters and progress (a restart resumes
-    them, so the staleness bound holds across it)."""
-    return os.path.join(run_dir, "checkpoints", "variables")
-
-
 def make_variable_server(config: SAOConfig, publisher_token: str, port: int = 0,
                          auth_token: str = "", run_dir: Optional[str] = None):
     from sao_actor_learner.variables import SafetensorsValidator, VariableServer
@@ -188,8 +175,8 @@ def make_variable_server(config: SAOConfig, publisher_token: str, port: int = 0,
                           host=config.bind_host, auth_token=auth_token,
                           tls_cert_chain=cert, tls_private_key=key,
                           validate_payload=SafetensorsValidator(),
-                          state_path=os.path.join(variables_state_dir(run_dir or config.run_dir),
-                                                  "state.json"))
+                          state_path=os.path.join(make_owned_dir(variables_state_dir(
+                              run_dir or config.run_dir)), "state.json"))
 
 
 def make_task(config: SAOConfig, actor_id: int = 0, tokenizer=None):
@@ -293,6 +280,7 @@ def assemble_learner(config: SAOConfig, policy, critic=None, source=None, *, pub
     from sao_actor_learner.learner.learner import Learner
     from sao_actor_learner.learner.policy import PolicyTrainer
     from sao_actor_learner.learner.sampling import GroupSampler, RolloutSampler
+    from sao_actor_learner.learner.value_pretraining import ValuePretraining
 
     collective = collective or distributed.SINGLE
     section = config.section(LearnerConfig)
@@ -307,13 +295,30 @@ def assemble_learner(config: SAOConfig, policy, critic=None, source=None, *, pub
         sampler = RolloutSampler(source, config.max_staleness)
     return Learner(trainer, estimator, sampler, max_steps=config.max_steps,
                    batch_size=config.batch_size // collective.world_size,
-                   pretrain_steps=config.value_pretrain_steps,
-                   pretrain_min_ev=config.value_pretrain_min_ev,
+                   value_pretraining=ValuePretraining.from_config(config),
+                   yardstick=_critic_yardstick(config, collective, pad_id),
+                   critic_eval_every=config.critic_eval_every,
                    warmup_steps=config.critic_warmup_steps,
                    checkpoint_every=config.checkpoint_every, publisher=publisher,
                    serialize=serialize, logger=logger, checkpoint_root=checkpoint_root,
                    tokenizer=tokenizer, keep_checkpoints=config.keep_checkpoints, pad_id=pad_id,
                    collective=collective, evaluation=evaluation)
+
+
+def _critic_yardstick(config: SAOConfig, collective, pad_id: int):
+    """The critic's held-out yardstick from --critic_heldout_file or the critic directory's
+    own rollouts (this rank's equal share), or None (learner/value_pretraining.py)."""
+    from sao_actor_learner.learner.value_pretraining import CriticYardstick, heldout_file_of
+    if config.algorithm != "sao" or config.critic != "separate":
+        return None
+    path = heldout_file_of(config.critic_model, config.critic_heldout_file)
+    if not path:
+        return None
+    yardstick = CriticYardstick.from_file(path, config.critic_eval_every, pad_id)
+    world, rank = collective.world_size, collective.rank
+    share = len(yardstick.rollouts) // world
+    yardstick.rollouts = yardstick.rollouts[rank * share:(rank + 1) * share]
+    return yardstick
 
 
 def make_learner(config: SAOConfig, replay_address: str, variables_address: str,
@@ -468,6 +473,8 @@ def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_
     _follow_engine_version(task, engine)
     run_dir = run_dir or config.run_dir
     delay_rng = np.random.default_rng([config.seed, actor_id, 2])
+    if config.actor_spool:
+        make_owned_dir(os.path.dirname(spool_dir(run_dir, actor_id)))   # run_dir/spool, marked
     directory = spool_dir(run_dir, actor_id) if config.actor_spool else \
         tempfile.mkdtemp(prefix=f"sao_spool_actor_{actor_id}_")
     signer = RolloutSigner(rollout_secret) if rollout_secret else None

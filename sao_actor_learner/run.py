@@ -74,12 +74,34 @@ def summarize(config: SAOConfig, run_dir: str, wall_time_s: float,
         "env_counters": env_counters,
         "max_staleness": config.max_staleness,
         "restarts": _restarts(run_dir),   # node -> restarts, from nodes.json
+        "drift_alarms": _drift_alarms(train),
     }
+    critic_evals = read_metrics(run_dir, "critic_eval")
+    if critic_evals:   # the critic's EV on its fixed held-out rollouts (value_pretraining.py)
+        summary["critic_heldout_ev_start"] = critic_evals[0]["critic_heldout_ev"]
+        summary["critic_heldout_ev_end"] = critic_evals[-1]["critic_heldout_ev"]
+        summary["critic_heldout_ev_by_version"] = {
+            str(r["policy_version"]): r["critic_heldout_ev"] for r in critic_evals}
+    pretrain = read_metrics(run_dir, "value_pretrain_done")
+    if pretrain:
+        summary["value_pretrain"] = {k: v for k, v in pretrain[-1].items() if k != "kind"}
+    summary["critic_explained_variance_mean"] = mean("explained_variance")
     if preflight:
         summary["preflight"] = preflight   # e.g. dataset rows and over-long prompts left out
     if summary["initial_eval_accuracy"] is not None and summary["final_eval_accuracy"] is not None:
         summary["eval_accuracy_gain"] = summary["final_eval_accuracy"] - summary["initial_eval_accuracy"]
     return summary
+
+
+def _drift_alarms(train) -> Dict[str, int]:
+    """alarm name -> policy steps that raised it: the drift_alarm_<name> counters (cumulative,
+    learner/drift.DriftAlarms) of the newest train row that has them; {} when alarms are off."""
+    for row in reversed(train):
+        found = {k[len("drift_alarm_"):]: int(v) for k, v in row.items()
+                 if k.startswith("drift_alarm_")}
+        if found:
+            return found
+    return {}
 
 
 def _restarts(run_dir: str) -> Dict[str, int]:

@@ -174,7 +174,7 @@ def test_triton_kernels_give_the_same_update_as_torch(gae):
         stats[backend] = learner.update(collate(rollouts))
         params[backend] = learner.policy.state_dict()
     for key in ("policy_loss", "value_loss", "advantage_mean", "kl_rollout", "masked_frac",
-                "policy_grad_norm"):
+                "policy_grad_norm", "token_entropy_mean", "chi2_token"):
         assert stats["triton"][key] == pytest.approx(stats["torch"][key], rel=1e-4, abs=1e-5), key
     for name, p in params["torch"].items():
         torch.testing.assert_close(params["triton"][name], p, atol=1e-5, rtol=1e-4)
@@ -198,14 +198,21 @@ class RecordingPublisher:
 def test_value_pretraining_trains_only_the_critic_and_keeps_admission_open():
     rollouts = [r for seed in range(3) for r in on_policy_rollouts(make_learner(), n=4, seed=seed)]
     publisher = RecordingPublisher()
-    learner = make_learner(value_pretrain_steps=3, value_pretrain_min_ev=1.0,
-                           source=ListReader(rollouts), publisher=publisher)
+    learner = make_learner(value_pretrain_rollouts=12, value_pretrain_epochs=2,
+                           value_pretrain_minibatch=4, source=ListReader(rollouts),
+                           publisher=publisher)
     policy_before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
-    head_before = learner.estimator.critic.head.weight.clone()
     stats = learner.pretrain_value()
-    assert stats["value_pretrain_step"] == 3
+    # 12 rollouts: 2 held out (the yardstick from now on), 10 fitted in minibatches of 4.
+    assert stats["rollouts"] == 12 and stats["optimizer_steps"] <= 2 * 2
+    assert len(learner.yardstick.rollouts) == 2
+    assert learner.estimator.optimizer.param_groups[0]["lr"] == learner.estimator.config.critic_lr
     assert all(torch.equal(v, policy_before[k]) for k, v in learner.policy.state_dict().items())
-    assert not torch.equal(head_before, learner.estimator.critic.head.weight)
+    # The critic took its optimizer steps (the best held-out evaluation's weights are kept,
+    # which with these random rewards may be the starting ones).
+    assert stats["optimizer_steps"] > 0
+    assert all(int(s["step"]) == stats["optimizer_steps"]
+               for s in learner.estimator.optimizer.state_dict()["state"].values())
     assert learner.version == 0 and learner.consumed_without_version == 12
     # Admission credit grows after each pretraining step, in small progress reports: the
     # weights are not re-sent.

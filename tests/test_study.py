@@ -54,11 +54,29 @@ def assert_outputs(folder, study):
     assert list(comps[0]) == list(studies.COMPARISON_COLUMNS)
     assert {(c["a"], c["b"]) for c in comps} == set(study.comparisons)
     assert all(c["verdict"] in ("higher", "lower", "indistinguishable") for c in comps)
+    for c in comps:   # p-values adjusted per metric: p <= Holm <= Bonferroni, Welch's p <-> CI
+        if c["p_value"] == "":   # no test (e.g. no variance on either side): nothing adjusted
+            assert c["p_holm"] == c["p_bonferroni"] == c["survives_holm"] == ""
+            continue
+        assert float(c["p_value"]) <= float(c["p_holm"]) <= float(c["p_bonferroni"]) <= 1.0
+        assert (float(c["p_value"]) < 0.05) == (c["verdict"] != "indistinguishable")
+        assert c["survives_holm"] == ("yes" if float(c["p_holm"]) < 0.05 else "no")
     curves = rows_of(os.path.join(folder, "curves.csv"))
     assert list(curves[0]) == list(studies.CURVE_COLUMNS)
     with open(os.path.join(folder, "study.json")) as f:
         info = json.load(f)
     assert info["cells"] == len(results) and info["failed"] == 0
+    families = info["comparison_families"]
+    assert sum(f["comparisons"] for f in families.values()) == len(comps)
+    for metric, f in families.items():
+        assert f["comparisons"] == sum(c["metric"] == metric for c in comps)
+        assert f["tested"] == sum(c["metric"] == metric and c["p_value"] != "" for c in comps)
+        assert f["survive_holm"] == sum(c["metric"] == metric and c["survives_holm"] == "yes"
+                                        for c in comps)
+    primary = families.get("final_eval_accuracy", {"comparisons": 0, "survive_holm": 0})
+    with open(os.path.join(folder, "summary.md")) as f:
+        assert (f"{primary['comparisons']} comparisons on final accuracy; "
+                f"{primary['survive_holm']} survive Holm at 0.05") in f.read()
     return results, summary, curves, info
 
 
@@ -80,6 +98,66 @@ def test_presets_are_well_formed_and_cells_sharing_a_folder_are_one_config():
     asyn = {c.name for _, c in studies.cells_of(studies.STUDIES["asynchrony"])}
     abl = {c.name for _, c in studies.cells_of(studies.STUDIES["ablations"])}
     assert asyn & abl
+
+
+# --- comparisons: Welch p-values adjusted per family ----------------------------------------
+def test_comparisons_adjust_p_values_within_each_metric_and_mark_the_survivors():
+    from programs.studies import metrics as sm
+    from programs.studies import tables
+    assert studies.COMPARISON_COLUMNS[:12] == (   # the original columns, unchanged, come first
+        "study", "a", "b", "metric", "n_a", "n_b", "mean_a", "mean_b", "diff", "lo", "hi",
+        "verdict")
+    assert studies.COMPARISON_COLUMNS[12:] == ("p_value", "p_holm", "p_bonferroni",
+                                               "survives_holm")
+    study = studies.STUDIES["ablations"]
+    rng = random.Random(7)
+    level = {v.id: rng.uniform(0.2, 0.6) for v in study.variants}
+    level[study.comparisons[0][0]] = 0.9          # one clear winner on every metric
+    records = [dict(variant=v.id, status="ok", gain=rng.gauss(0, 0.02),
+                    final_eval_accuracy=level[v.id] + rng.gauss(0, 0.02),
+                    mean_eval_accuracy=level[v.id] + rng.gauss(0, 0.02))
+               for v in study.variants for _ in study.seeds]
+    records.append(dict(variant=study.variants[0].id, status="failed"))   # not counted
+    comps = studies.comparison_rows(study, records)
+    assert len(comps) == len(study.comparisons) * len(studies.COMPARISON_METRICS)
+    for metric in studies.COMPARISON_METRICS:
+        fam = [c for c in comps if c["metric"] == metric]
+        assert len(fam) == len(study.comparisons)
+        for c in fam:
+            xa = [r[metric] for r in records if r["variant"] == c["a"] and r["status"] == "ok"]
+            xb = [r[metric] for r in records if r["variant"] == c["b"] and r["status"] == "ok"]
+            assert c["p_value"] == sm.welch_p(xa, xb)
+        ps = [c["p_value"] for c in fam]
+        assert [c["p_holm"] for c in fam] == sm.holm(ps)
+        assert [c["p_bonferroni"] for c in fam] == sm.bonferroni(ps)
+        assert [c["survives_holm"] for c in fam] == ["yes" if h < 0.05 else "no"
+                                                     for h in sm.holm(ps)]
+    primary = [c for c in comps if c["metric"] == "final_eval_accuracy"]
+    survive = sum(c["survives_holm"] == "yes" for c in primary)
+    assert survive >= 1 and primary[0]["survives_holm"] == "yes"
+    assert tables.families(comps)["final_eval_accuracy"] == dict(
+        comparisons=len(primary), tested=len(primary), survive_holm=survive)
+    assert list(tables.families(comps))[0] == "final_eval_accuracy"
+    summary = studies.summary_rows(study, records)
+    md = studies.summary_markdown(study, summary, comps, {"cells": len(records)})
+    assert f"{len(primary)} comparisons on final accuracy; {survive} survive Holm at 0.05" in md
+    assert md.count(tables.MARK + " |") == sum(c["survives_holm"] == "yes" for c in comps)
+    # one seed on a side: no p-value, not counted in the family; a study without final accuracy
+    first = study.variants[0].id
+    one = [r for r in records if r.get("status") == "ok" and r["variant"] != first]
+    one.append(dict(records[0]))
+    comps = studies.comparison_rows(study, one)
+    untested = [c for c in comps if c["p_value"] is None]
+    assert untested and all(c["p_holm"] is None and c["survives_holm"] is None
+                            for c in untested)
+    fam = tables.families(comps)["final_eval_accuracy"]
+    assert fam["tested"] == fam["comparisons"] - len(untested) // 3
+    shift = studies.STUDIES["online_shift"]
+    rows = [c for c in comps if c["p_value"] is not None][:2] + untested[:1]
+    rows = [dict(c, metric="phase_mean_accuracy", a="sao", b="grpo") for c in rows]
+    md = studies.summary_markdown(shift, [], rows, {})
+    assert "0 comparisons on final accuracy; 0 survive Holm at 0.05" in md
+    assert "3 comparisons (1 without a p-value) on phase_mean_accuracy" in md
 
 
 # --- every study kind's outputs, from runs written here ---------------------------------------

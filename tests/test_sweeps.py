@@ -71,11 +71,14 @@ def test_value_pretrain_sweep_smoke(warm_start, tmp_path):
     out = tmp_path / "vp"
     run("value_pretrain_sweep.py", warm_start, out)
     rows = rows_of(out / "results.csv")
-    assert sorted(r["value_pretrain_steps"] for r in rows) == ["0", "3"]
+    assert sorted(r["value_pretrain_rollouts"] for r in rows) == ["0", "24"]
     for r in rows:
-        pretrain = read_metrics(r["run_dir"], "value_pretrain")
-        assert len(pretrain) == int(r["value_pretrain_steps"])
-        assert (r["pretrain_final_ev"] != "") == (r["value_pretrain_steps"] == "3")
+        done = read_metrics(r["run_dir"], "value_pretrain_done")
+        assert len(done) == (r["value_pretrain_rollouts"] == "24")
+        if done:   # the fit's evaluations (one per epoch, the first before any step)
+            assert done[0]["rollouts"] == 24
+            assert len(read_metrics(r["run_dir"], "value_pretrain")) == done[0]["evaluations"]
+        assert (r["pretrain_final_ev"] != "") == (r["value_pretrain_rollouts"] == "24")
         float(r["early_ev"])
     assert_png(out / "value_pretrain.png")
 

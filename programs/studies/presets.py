@@ -16,7 +16,8 @@ takes ~85 min with `--workers=2` on 2 CPU cores (docs/REPRODUCTION.md, "Scale" a
 Per study (`<out_dir>/<study>/`, copied to <results_dir>/<study>/, e.g. results/study/): results.csv (one row per run),
 curves.csv (one row per run and learner step), summary.csv (per variant: mean and 95% t
 interval over seeds of each metric), comparisons.csv (differences of means with Welch
-intervals and a verdict), summary.md (the two as tables), study.json (sizes and durations)
+intervals and a verdict, and p-values adjusted per family of comparisons: tables.py),
+summary.md (the two as tables), study.json (sizes and durations)
 and PNG plots (plots.py).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from programs.studies import metrics as sm
+from programs.studies import tables
 from programs import sweeps
 from sao_actor_learner.config import SAOConfig
 from sao_actor_learner.observers import read_metrics
@@ -98,7 +100,16 @@ SMOKE_BASE = (
 # (docs/REPRODUCTION.md says so where it matters).
 CHEAP_SEEDS = tuple(range(10))
 B, G = 8, 4       # SAO's B x 1 against GRPO's (B/G) x G, scaled down from 128 x 1 and 16 x 8
-SAO = Variant("sao", f"SAO {B}x1", "sao", f"{B}x1")
+# The critic studies (single_rollout, ablations, value_pretrain) run SAO with a critic that learns
+# (docs/REPRODUCTION.md, "The critic"): the value-pretrained critic of `make critic-dataset`,
+# trained K=2 epochs of CRITIC_MINIBATCHES steps per policy step at CRITIC_LR. Tag "critic" names
+# those extras in the cell folders. 5 seeds each.
+CRITIC_DIR = "checkpoints/critic_dataset"
+CRITIC_LR, CRITIC_MINIBATCHES = 5e-4, 2
+LEARNING_CRITIC = (("critic_model", CRITIC_DIR), ("critic_lr", CRITIC_LR),
+                   ("critic_minibatches", CRITIC_MINIBATCHES))
+CRITIC_SEEDS = tuple(range(5))
+SAO = Variant("sao", f"SAO {B}x1", "sao", f"{B}x1", extra=LEARNING_CRITIC, tag="critic")
 
 
 def _single_rollout() -> Study:
@@ -107,9 +118,10 @@ def _single_rollout() -> Study:
                   f"{B // G}x{G}"),
           Variant("grpo_same_prompts", f"GRPO {B}x{G} (same prompts)", "grpo", f"{B}x{G}"),
           Variant("critic_free", f"critic-free {B}x1 (running mean)", "critic_free", f"{B}x1"),
-          Variant("sao_groups", f"SAO {B // G}x{G} (groups)", "sao", f"{B // G}x{G}"))
+          Variant("sao_groups", f"SAO {B // G}x{G} (groups)", "sao", f"{B // G}x{G}",
+                  extra=LEARNING_CRITIC, tag="critic"))
     return Study("single_rollout", "Single rollout vs groups, and the prompt-diversity control",
-                 "curves", vs, DATASET_BASE,
+                 "curves", vs, DATASET_BASE, seeds=CRITIC_SEEDS,
                  comparisons=(("sao", "grpo_same_rollouts"), ("sao", "grpo_same_prompts"),
                               ("sao", "critic_free"), ("critic_free", "grpo_same_rollouts"),
                               ("sao", "sao_groups"), ("sao_groups", "grpo_same_rollouts")))
@@ -160,7 +172,8 @@ ABLATION_K = 4    # the off-policy corrections are compared where they have stal
 
 def _ablations() -> Study:
     corr = tuple(Variant(f"sao_{loss}_k{ABLATION_K}", f"{name} (k={ABLATION_K})", m, f"{B}x1",
-                         ABLATION_K, "forced", series="off-policy correction")
+                         ABLATION_K, "forced", extra=LEARNING_CRITIC, tag="critic",
+                         series="off-policy correction")
                  for loss, name, m in (("dis", "DIS", "sao"), ("ppo_clip", "PPO-clip",
                                                               "sao_ppo_clip"),
                                        ("tis", "TIS", "sao_tis"),
@@ -168,12 +181,13 @@ def _ablations() -> Study:
     critic = (dataclasses.replace(SAO, id="sao_frozen_k2", label="frozen-attention critic, K=2",
                                   series="critic"),
               Variant("sao_full_critic", "full critic, K=2", "sao", f"{B}x1",
-                      extra=(("critic_frozen_patterns", ()),), tag="fullcritic",
-                      series="critic"),
+                      extra=LEARNING_CRITIC + (("critic_frozen_patterns", ()),),
+                      tag="critic_fullcritic", series="critic"),
               Variant("sao_k1", "frozen-attention critic, K=1", "sao", f"{B}x1",
-                      extra=(("critic_updates", 1),), series="critic"))
+                      extra=LEARNING_CRITIC + (("critic_updates", 1),), tag="critic_k1",
+                      series="critic"))
     return Study("ablations", "Ablations of SAO's parts: the off-policy correction and the critic",
-                 "ablation", corr + critic, DATASET_BASE,
+                 "ablation", corr + critic, DATASET_BASE, seeds=CRITIC_SEEDS,
                  comparisons=tuple((f"sao_dis_k{ABLATION_K}", f"sao_{x}_k{ABLATION_K}")
                                    for x in ("ppo_clip", "tis", "none"))
                  + (("sao_frozen_k2", "sao_full_critic"), ("sao_frozen_k2", "sao_k1")))
@@ -190,20 +204,25 @@ def _gae() -> Study:
                  comparisons=(("skip_observation", "standard"),))
 
 
-PRETRAIN_STEPS = (0, 10, 20, 40)
+# Value-pretraining budgets (rollouts of the warm start fitted before RL, critic/fit.py) against
+# the critic's held-out EV at the start of RL and the accuracy it ends with; 0 is the cold start
+# (a zero head, no pretraining), "offline" the critic directory of `make critic-dataset`.
+PRETRAIN_ROLLOUTS = (0, 160, 480, 960)
+PRETRAIN_FIT = (("critic_lr", CRITIC_LR), ("critic_minibatches", CRITIC_MINIBATCHES))
 
 
 def _value_pretrain() -> Study:
-    vs = tuple((SAO if n == 0 else Variant(f"pretrain_{n}", "", "sao", f"{B}x1",
-                                           extra=(("value_pretrain_steps", n),)))
-               for n in PRETRAIN_STEPS)
-    vs = tuple(dataclasses.replace(v, id=f"pretrain_{n}", label=f"pretrain {n} steps "
-                                   f"({n * B} rollouts)", series="sao", param=n)
-               for v, n in zip(vs, PRETRAIN_STEPS))
+    vs = tuple(Variant(f"pretrain_{n}", f"pretrain {n} rollouts", "sao", f"{B}x1",
+                       extra=PRETRAIN_FIT + (("value_pretrain_rollouts", n),),
+                       tag=f"critic_pretrain{n}", series="sao", param=n)
+               for n in PRETRAIN_ROLLOUTS)
+    offline = dataclasses.replace(SAO, id="pretrain_offline", label="value-pretrained critic "
+                                  "directory (2,400 rollouts)", series="offline", param=2400)
     return Study("value_pretrain", "Value pretraining scale: explained variance and accuracy",
-                 "pretrain", vs, DATASET_BASE,
-                 comparisons=tuple((f"pretrain_{n}", "pretrain_0") for n in PRETRAIN_STEPS[1:]),
-                 param_name="value_pretrain_steps")
+                 "pretrain", vs + (offline,), DATASET_BASE, seeds=CRITIC_SEEDS,
+                 comparisons=tuple((f"pretrain_{n}", "pretrain_0") for n in PRETRAIN_ROLLOUTS[1:])
+                 + (("pretrain_offline", "pretrain_0"),),
+                 param_name="value_pretrain_rollouts")
 
 
 def _online_shift() -> Study:
@@ -251,7 +270,7 @@ def with_dataset(base: Tuple[Tuple[str, object], ...], dataset_dir: str = DATASE
 RUN_COLUMNS = ("study", "variant", "label", "series", "param") + sweeps.RESULT_COLUMNS + (
     "rollouts_trained", "mean_eval_accuracy", "mid_eval_accuracy", "late_gain", "gain",
     "late_kl", "late_masked_frac", "late_ess", "pretrain_final_ev", "early_ev", "late_ev",
-    "collapse_step", "eval_steps_to_recover", "phase_mean_accuracy", "recovered_shifts",
+    "critic_heldout_ev_start", "critic_heldout_ev_end", "collapse_step", "eval_steps_to_recover", "phase_mean_accuracy", "recovered_shifts",
     "mean_steps_to_recover", "phase_mean_reward")
 CURVE_COLUMNS = ("study", "variant", "seed", "step", "rollouts", "wall_time_s", "reward_mean",
                  "eval_accuracy", "kl_rollout", "masked_frac", "ess", "explained_variance",
@@ -295,8 +314,11 @@ def run_record(study: Study, variant: Variant, row: Dict, config: SAOConfig) -> 
         rec["gain"] = rec["final_eval_accuracy"] - rec["initial_eval_accuracy"]
     if rec.get("final_eval_accuracy") is not None and rec["mid_eval_accuracy"] is not None:
         rec["late_gain"] = rec["final_eval_accuracy"] - rec["mid_eval_accuracy"]
-    pre = read_metrics(run_dir, "value_pretrain")
-    rec["pretrain_final_ev"] = pre[-1].get("explained_variance") if pre else None
+    pre = read_metrics(run_dir, "value_pretrain_done")
+    rec["pretrain_final_ev"] = pre[-1].get("heldout_ev") if pre else None
+    yard = read_metrics(run_dir, "critic_eval")   # the critic on its fixed held-out rollouts
+    rec["critic_heldout_ev_start"] = yard[0]["critic_heldout_ev"] if yard else None
+    rec["critic_heldout_ev_end"] = yard[-1]["critic_heldout_ev"] if yard else None
     nonfinite = next((r["step"] for r in train
                       if not isinstance(r.get("policy_loss", 0.0), (int, float))
                       or not math.isfinite(r.get("policy_loss", 0.0))), None)
@@ -370,7 +392,8 @@ def curve_rows(study: Study, variant: Variant, row: Dict, config: SAOConfig) -> 
 # --- per variant: means and intervals ----------------------------------------------------------
 SUMMARY_METRICS = ("final_eval_accuracy", "gain", "late_gain", "mean_eval_accuracy",
                    "final_reward", "late_kl", "late_masked_frac", "late_ess",
-                   "mean_explained_variance", "pretrain_final_ev", "early_ev",
+                   "mean_explained_variance", "pretrain_final_ev", "early_ev", "late_ev",
+                   "critic_heldout_ev_start", "critic_heldout_ev_end", "mean_staleness",
                    "eval_steps_to_recover", "phase_mean_accuracy", "mean_steps_to_recover",
                    "phase_mean_reward", "wall_time_s",
                    "rollouts_trained")
@@ -379,7 +402,7 @@ SUMMARY_COLUMNS = ("study", "variant", "label", "series", "param", "n", "failed"
                                              for x in ("mean", "lo", "hi"))
 COMPARISON_METRICS = ("final_eval_accuracy", "mean_eval_accuracy", "gain")
 COMPARISON_COLUMNS = ("study", "a", "b", "metric", "n_a", "n_b", "mean_a", "mean_b", "diff",
-                      "lo", "hi", "verdict")
+                      "lo", "hi", "verdict") + tables.COLUMNS
 
 
 def _ok(records: Sequence[Dict], vid: str) -> List[Dict]:
@@ -415,8 +438,9 @@ def comparison_rows(study: Study, records: Sequence[Dict]) -> List[Dict]:
             d = sm.welch(xa, xb)
             out.append(dict(study=study.name, a=a, b=b, metric=m, n_a=len(ra), n_b=len(rb),
                             mean_a=sm.mean_ci(xa)["mean"], mean_b=sm.mean_ci(xb)["mean"],
-                            diff=d["diff"], lo=d["lo"], hi=d["hi"], verdict=sm.verdict(d)))
-    return out
+                            diff=d["diff"], lo=d["lo"], hi=d["hi"], verdict=sm.verdict(d),
+                            p_value=sm.welch_p(xa, xb)))
+    return tables.adjust(out)
 
 
 def _fmt(x, digits: int = 3) -> str:
@@ -445,6 +469,12 @@ def summary_markdown(study: Study, summary: Sequence[Dict], comps: Sequence[Dict
         cols += [("late_kl", "KL"), ("late_masked_frac", "masked"), ("late_ess", "ESS")]
     if study.kind == "pretrain":
         cols += [("pretrain_final_ev", "EV after pretrain"), ("early_ev", "EV, first 5 steps")]
+    if study.kind in ("curves", "ablation", "pretrain") and study.base is DATASET_BASE:
+        # the mechanisms under test, active or not: the critic's EV (in-batch, late; on its
+        # fixed held-out rollouts at the start and end), drift and staleness
+        cols += [("late_ev", "EV, 2nd half"), ("critic_heldout_ev_start", "held-out EV start"),
+                 ("critic_heldout_ev_end", "held-out EV end"), ("late_kl", "KL"),
+                 ("late_ess", "ESS"), ("mean_staleness", "staleness")]
     if study.kind == "shift":
         cols = [("eval_steps_to_recover", "steps to recover (held-out)"),
                 ("phase_mean_accuracy", "phase mean acc"),
@@ -463,12 +493,15 @@ def summary_markdown(study: Study, summary: Sequence[Dict], comps: Sequence[Dict
             + f" | {r['collapsed']}/{r['n']}" + (f" (steps {r['collapse_steps']})"
                                                  if r["collapse_steps"] else "") + " |")
     if comps:
-        lines += ["", "| a - b | metric | diff [95% Welch CI] | verdict |", "|---|---|---|---|"]
+        lines += ["", "| a - b | metric | diff [95% Welch CI] | verdict | p | p (Holm) |",
+                  "|---|---|---|---|---|---|"]
         label = {v.id: v.label for v in study.variants}
         for c in comps:
             lines.append(f"| {label[c['a']]} - {label[c['b']]} | {c['metric']} | "
                          f"{_fmt(c['diff'])} [{_fmt(c['lo'])}, {_fmt(c['hi'])}] | "
-                         f"{c['verdict']} |")
+                         f"{c['verdict']} | {tables.fmt_p(c.get('p_value'))} | "
+                         f"{tables.holm_cell(c)} |")
+        lines += [""] + tables.family_lines(comps)
     return "\n".join(lines) + "\n"
 
 

@@ -34,9 +34,12 @@ class LearnerConfig(Section):
                               "to 0 at max_steps).")
     lr_warmup_steps: int = option(0, "Policy steps of linear learning-rate warm-up before the "
                                   "schedule.")
-    critic_updates: int = option(2, "K: critic optimizer steps per policy step, each on "
+    critic_updates: int = option(2, "K: critic epochs over the batch per policy step, each on "
                                  "recomputed values (critic=shared_trunk: the joint step plus "
                                  "K-1 steps of the head alone on the step's hidden states).")
+    critic_minibatches: int = option(1, "Critic optimizer steps per epoch, on consecutive "
+                                     "slices of the batch: K x this many steps per policy step "
+                                     "(critic=separate).")
     critic: str = option("separate", "separate (SAO: a network of its own, attention frozen, K "
                          "steps) or shared_trunk (a value head on the policy's last hidden "
                          "state, trained with the policy loss; not SAO's critic).")
@@ -47,10 +50,29 @@ class LearnerConfig(Section):
         "(attention, embeddings and norms); each must match some parameter.")
     critic_warmup_steps: int = option(0, "Critic-only steps before the first policy step (they "
                                       "do not bump the version).")
-    value_pretrain_steps: int = option(0, "Critic-only steps on the initial policy's rollouts "
-                                       "before RL.")
-    value_pretrain_min_ev: float = option(1.0, "Value pretraining stops early at this explained "
-                                          "variance.")
+    value_pretrain_rollouts: int = option(0, "Value pretraining's budget: rollouts of the "
+                                          "initial policy the critic is fitted on before RL "
+                                          "(epochs of minibatches, a held-out part for the "
+                                          "stopping rule; critic/fit.py); 0: none.")
+    value_pretrain_epochs: int = option(8, "Value pretraining: the most epochs over the budget.")
+    value_pretrain_minibatch: int = option(16, "Value pretraining: rollouts per critic "
+                                           "optimizer step.")
+    value_pretrain_lr: float = option(2e-4, "Value pretraining: the critic's learning rate.")
+    value_pretrain_patience: int = option(3, "Value pretraining stops when the held-out "
+                                          "explained variance has not improved for this many "
+                                          "evaluations (one per epoch).")
+    value_pretrain_heldout: float = option(0.2, "Value pretraining: the budget's fraction held "
+                                           "out to measure explained variance.")
+    value_pretrain_min_ev: float = option(1.0, "Value pretraining stops early at this held-out "
+                                          "explained variance.")
+    critic_eval_every: int = option(10, "Measure the critic's explained variance on its "
+                                    "fixed held-out rollouts every this many versions (and at "
+                                    "version 0 and the end; metrics rows of kind critic_eval); "
+                                    "0: only at the start and the end.")
+    critic_heldout_file: str = option("", "The held-out rollouts (.npz, critic/rollout_set.py) "
+                                      "the critic is measured on; default: the critic "
+                                      "directory's heldout_rollouts.npz, else value "
+                                      "pretraining's held-out part.")
     gamma: float = option(1.0, "Discount factor of the returns and of GAE (1.0: undiscounted).")
     gae: str = option("skip_observation", "skip_observation GAE (observation tokens skipped) or "
                       "standard (bootstraps through them).")
@@ -91,6 +113,18 @@ class LearnerConfig(Section):
                                  "triton or torch.")
     fused_logprobs: bool = option(True, "Log-probs from hidden states and the LM head without "
                                   "materialising [N, V] logits.")
+    token_entropy: bool = option(True, "Log token_entropy_mean, the entropy of the current "
+                                 "policy's sampling distribution at the action tokens, computed "
+                                 "in the policy step's own forward (one more sum per logit).")
+    drift_alarms: bool = option(True, "Warn and count (drift_alarm_<name> in the step rows and "
+                                "summary.json) each policy step whose ess, kl_rollout or "
+                                "chi2_token crosses alarm_min_ess, alarm_max_kl or "
+                                "alarm_max_chi2.")
+    alarm_min_ess: float = option(0.3, "drift_alarms: an ess below this raises ess_low.")
+    alarm_max_kl: float = option(0.1, "drift_alarms: a kl_rollout (k3 KL, rollout vs current) "
+                                 "above this raises kl_high.")
+    alarm_max_chi2: float = option(1.0, "drift_alarms: a chi2_token (token chi-squared, current "
+                                   "vs rollout) above this raises chi2_high.")
     checkpoint_every: int = option(0, "Save a learner checkpoint every this many versions; 0: "
                                    "only at the end.")
     keep_checkpoints: int = option(0, "The newest learner checkpoints kept; 0: all.")
@@ -109,7 +143,8 @@ class LearnerConfig(Section):
                                ("dtype", DTYPES), ("learner_strategy", LEARNER_STRATEGIES),
                                ("critic", CRITICS)):
             choice(self, field, options, fail)
-        at_least(self, ("critic_updates", "learners", "policy_minibatches"), 1, fail)
+        at_least(self, ("critic_updates", "critic_minibatches", "learners", "policy_minibatches"), 1,
+                 fail)
         if not 0.0 < self.eps_low < 1.0:
             fail(f"eps_low={self.eps_low}: must be in (0, 1); the lower bound of the DIS band is "
                  "1 - eps_low and must stay positive (paper: 0.3 math, 0.8 coding)")
@@ -126,7 +161,7 @@ class LearnerConfig(Section):
         if self.lambda_alpha <= 0:
             fail(f"lambda_alpha={self.lambda_alpha}: must be > 0 (SAO review: 1.5; VAPO: 0.05)")
         choice(self, "lr_schedule", LR_SCHEDULES, fail)
-        at_least(self, ("critic_warmup_steps", "value_pretrain_steps", "checkpoint_every",
+        at_least(self, ("critic_warmup_steps", "value_pretrain_rollouts", "checkpoint_every",
                         "keep_checkpoints", "micro_batch_tokens", "lr_warmup_steps"), 0, fail)
         if self.max_grad_norm <= 0:
             fail(f"max_grad_norm={self.max_grad_norm}: must be > 0")
@@ -134,6 +169,18 @@ class LearnerConfig(Section):
             fail(f"value_clip={self.value_clip}: must be >= 0 (0 disables value clipping)")
         if not 0.0 < self.value_pretrain_min_ev <= 1.0:
             fail(f"value_pretrain_min_ev={self.value_pretrain_min_ev}: must be in (0, 1]")
+        at_least(self, ("critic_eval_every",), 0, fail)
+        at_least(self, ("value_pretrain_epochs", "value_pretrain_minibatch",
+                        "value_pretrain_patience"), 1, fail)
+        if not self.value_pretrain_lr > 0:
+            fail(f"value_pretrain_lr={self.value_pretrain_lr}: must be > 0")
+        if not 0.0 < self.value_pretrain_heldout < 1.0:
+            fail(f"value_pretrain_heldout={self.value_pretrain_heldout}: must be in (0, 1) (the "
+                 "fraction of the budget held out to measure explained variance)")
+        if 0 < self.value_pretrain_rollouts < 10:
+            fail(f"value_pretrain_rollouts={self.value_pretrain_rollouts}: too few to split "
+                 "into train and held-out parts; use 0 (no pretraining) or >= 10 (hundreds "
+                 "are typical: docs/METHOD.md, value pretraining)")
         if not 0.0 < self.ppo_clip_low < 1.0:
             fail(f"ppo_clip_low={self.ppo_clip_low}: must be in (0, 1); the clip range starts at "
                  "1 - ppo_clip_low, which must stay positive (PPO/GRPO: 0.2)")
@@ -148,9 +195,9 @@ class LearnerConfig(Section):
                  "(IcePop: 0.5 and 5)")
         if not 0.0 <= self.baseline_decay < 1.0:
             fail(f"baseline_decay={self.baseline_decay}: must be in [0, 1)")
-        if self.algorithm != "sao" and (self.value_pretrain_steps or self.critic_warmup_steps):
-            fail(f"algorithm={self.algorithm!r} has no critic: value_pretrain_steps="
-                 f"{self.value_pretrain_steps} and critic_warmup_steps={self.critic_warmup_steps}"
+        if self.algorithm != "sao" and (self.value_pretrain_rollouts or self.critic_warmup_steps):
+            fail(f"algorithm={self.algorithm!r} has no critic: value_pretrain_rollouts="
+                 f"{self.value_pretrain_rollouts} and critic_warmup_steps={self.critic_warmup_steps}"
                  " must be 0 (or use --algorithm=sao)")
         if self.bootstrap_truncated and self.algorithm != "sao":
             fail(f"bootstrap_truncated=True needs a critic (algorithm='sao', not "
@@ -159,6 +206,12 @@ class LearnerConfig(Section):
             self._check_shared_trunk(fail)
         if not self.collective_timeout_s > 0:
             fail(f"collective_timeout_s={self.collective_timeout_s}: must be > 0 seconds")
+        if not 0.0 < self.alarm_min_ess <= 1.0:
+            fail(f"alarm_min_ess={self.alarm_min_ess}: must be in (0, 1] (ess is in (0, 1]; "
+                 "default 0.3)")
+        for field in ("alarm_max_kl", "alarm_max_chi2"):
+            if not getattr(self, field) > 0:
+                fail(f"{field}={getattr(self, field)}: must be > 0 (defaults: 0.1 and 1.0)")
 
     def _check_shared_trunk(self, fail: Fail) -> None:
         """critic=shared_trunk: the combinations it does not support (docs/METHOD.md, the
@@ -169,8 +222,9 @@ class LearnerConfig(Section):
         if not self.value_loss_coef > 0:
             fail(f"value_loss_coef={self.value_loss_coef}: must be > 0 (the value head reaches "
                  "the trunk only through the joint loss)")
-        if self.value_pretrain_steps or self.critic_warmup_steps:
-            fail(f"critic='shared_trunk' with value_pretrain_steps={self.value_pretrain_steps}, "
+        if self.value_pretrain_rollouts or self.critic_warmup_steps:
+            fail(f"critic='shared_trunk' with value_pretrain_rollouts="
+                 f"{self.value_pretrain_rollouts}, "
                  f"critic_warmup_steps={self.critic_warmup_steps}: critic-only steps would move "
                  "the policy's trunk without a new version; set both to 0 or use "
                  "--critic=separate")

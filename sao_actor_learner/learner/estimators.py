@@ -54,7 +54,7 @@ class Estimate:
     values: Optional[torch.Tensor] = None
     baseline: Optional[torch.Tensor] = None
     joint: Optional[object] = None   # the joint loss the policy step trained (shared trunk)
-    forward_cache: Optional[tuple] = None   # shared trunk, one pass: (log-probs, hidden)
+    forward_cache: Optional[tuple] = None   # shared trunk, one pass: (logp, hidden, entropy)
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, collective: distributed.Collective,
@@ -178,31 +178,20 @@ class CriticGAE(AdvantageEstimator):
         return Estimate(advantages, stats, returns=returns, values=values)
 
     def update(self, batch: Batch, estimate: Estimate) -> Dict[str, float]:
-        """K critic steps (config.critic_updates), each over micro-batches with the whole
-        group's denominator; statistics of the values the advantages came from (value_loss,
-        explained_variance) and of the last step (value_loss_last, critic_grad_norm)."""
+        """K critic epochs over the batch (config.critic_updates), each of critic_minibatches
+        optimizer steps on consecutive slices of the rows, values recomputed each time;
+        statistics of the values the advantages came from (value_loss, explained_variance) and
+        of the last values computed (value_loss_last, critic_grad_norm of the last step)."""
         cfg = self.config
         self.critic.train()
         mask = batch.action_mask
-        n_actions = self.collective.sum([float(mask.sum())])[0]
-        last_values = estimate.values
+        last_values = torch.zeros(batch.tokens.shape, dtype=torch.float32,
+                                  device=batch.tokens.device)
         norm = 0.0
+        slices = minibatches.row_splits(batch.size, min(cfg.critic_minibatches, batch.size))
         for _ in range(cfg.critic_updates):
-            self.optimizer.zero_grad(set_to_none=True)
-            recomputed = torch.zeros(batch.tokens.shape, dtype=torch.float32,
-                                     device=batch.tokens.device)
-            loss_total = 0.0
-            for rows in minibatches.pack_by_tokens(batch.lengths.tolist(), cfg.micro_batch_tokens):
-                micro = minibatches.select_rows(batch, rows, trim=True)
-                width = micro.tokens.shape[1]
-                r = torch.as_tensor(rows, device=batch.tokens.device)
-                loss, values = self.micro_value_loss(self._raw_values(micro), r,
-                                                     micro.action_mask, estimate, n_actions)
-                loss.backward()
-                loss_total += float(loss.detach())
-                recomputed[r, :width] = values.detach()
-            norm = self.reduce_and_step(loss_total, "critic")
-            last_values = recomputed
+            for rows in slices:
+                norm = self.optimizer_step(batch, estimate, rows, last_values)
         t = gather_rows(self.collective, {"values": estimate.values, "returns": estimate.returns,
                                           "last": last_values, "mask": mask.float()})
         _, first = losses.value_loss(t["values"], t["returns"], t["mask"])
@@ -210,7 +199,29 @@ class CriticGAE(AdvantageEstimator):
         return {"value_loss": first["value_loss"],
                 "explained_variance": first["explained_variance"],
                 "value_loss_last": last["value_loss"], "critic_grad_norm": norm,
-                "critic_nonfinite_skipped": self.nonfinite_skipped}
+                "critic_nonfinite_skipped": self.nonfinite_skipped,
+                "critic_optimizer_steps": cfg.critic_updates * len(slices)}
+
+    def optimizer_step(self, batch: Batch, estimate: Estimate, rows, recomputed: torch.Tensor
+                       ) -> float:
+        """One critic optimizer step on the batch rows `rows` (every rank its own rows; the
+        loss divided by the group's action tokens in them), micro-batched by token budget;
+        writes the values it computed into `recomputed` [B, T]; returns the gradient norm."""
+        rows = np.asarray(rows, dtype=np.int64)
+        n_actions = self.collective.sum([float(batch.action_mask[torch.as_tensor(rows)].sum())])[0]
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total = 0.0
+        lengths = batch.lengths[torch.as_tensor(rows)].tolist()
+        for group in minibatches.pack_by_tokens(lengths, self.config.micro_batch_tokens):
+            micro = minibatches.select_rows(batch, rows[group], trim=True)
+            width = micro.tokens.shape[1]
+            r = torch.as_tensor(rows[group], device=batch.tokens.device)
+            loss, values = self.micro_value_loss(self._raw_values(micro), r, micro.action_mask,
+                                                 estimate, n_actions)
+            loss.backward()
+            loss_total += float(loss.detach())
+            recomputed[r, :width] = values.detach()
+        return self.reduce_and_step(loss_total, "critic")
 
     def micro_value_loss(self, raw: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
                          estimate: Estimate, n_actions: float) -> tuple:
@@ -312,11 +323,12 @@ class SharedTrunkGAE(CriticGAE):
         if not self.one_pass(batch):
             return super().estimate(batch)
         self._trainer.policy.train()               # as the policy step's own forward would be
-        logp, hidden = self._trainer.forward(batch)  # with gradient: the policy step's forward
+        # With gradient: the policy step's forward (and its token entropies, for the metrics).
+        logp, hidden, entropy = self._trainer.forward_and_entropy(batch)
         with torch.no_grad():
             raw = self.head_values(hidden)
         estimate = self._estimate_from(batch, *_aligned_values(raw, batch))
-        estimate.forward_cache = (logp, hidden)
+        estimate.forward_cache = (logp, hidden, entropy)
         return estimate
 
     def head_values(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -403,7 +415,8 @@ class _JointValueLoss:
         self._loss_total = 0.0
 
     def cached_forward(self, rows: torch.Tensor, micro: Batch) -> Optional[tuple]:
-        """The estimate's (log-probs, hidden) when `micro` is the whole batch it came from."""
+        """The estimate's (log-probs, hidden, entropy) when `micro` is the whole batch it came
+        from."""
         cache, self._cache = self._cache, None
         if cache is None or cache[0].shape != micro.tokens.shape or not torch.equal(
                 rows.cpu(), torch.arange(cache[0].shape[0])):

@@ -13,9 +13,9 @@ One step:
      due, while this loop waits.
 
 The version counts policy steps only. Before the first one the critic may train alone on the
-initial policy's rollouts: value pretraining (`pretrain_steps`, stopping early at
-`pretrain_min_ev` explained variance) and critic warm-up (`warmup_steps`, a fixed number of
-critic-only steps). Neither bumps the version, so those rollouts stay on-policy, and the
+initial policy's rollouts: value pretraining (a budget of rollouts fitted in epochs until a
+held-out plateau, learner/value_pretraining.py) and critic warm-up (`warmup_steps`, a fixed
+number of critic-only steps). Neither bumps the version, so those rollouts stay on-policy, and the
 rollouts they consume are admission credit (like rollouts dropped as stale), reported as small
 progress messages, never by re-sending weights.
 
@@ -33,15 +33,15 @@ collated batch and needs no replay or network: tests drive it directly.
 
 Checkpoints (`save_checkpoint`): checkpoints/step_<version>/ holds the policy as a Hugging Face
 model directory and learner_state.pt (optimizers, critic, estimator and sampler state, counters,
-RNG states), written atomically; the rollout source's journal is rotated with it
-(core.RolloutSource.checkpoint), so a restarted learner resumes from it and redoes the
-journalled steps exactly (learner/journal.py).
+RNG states) and manifest.json (each file's size and sha256), fsynced and renamed into place
+(learner/checkpoint_files.py); the rollout source's journal is rotated with it
+(core.RolloutSource.checkpoint), so a restarted learner resumes from the newest intact one and
+redoes the journalled steps exactly (learner/journal.py).
 """
 from __future__ import annotations
 
 import os
 import random
-import shutil
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -51,8 +51,9 @@ import torch
 from absl import logging
 
 from sao_actor_learner import core
-from sao_actor_learner.learner import distributed
+from sao_actor_learner.learner import distributed, drift
 from sao_actor_learner.learner.estimators import AdvantageEstimator
+from sao_actor_learner.learner.checkpoint_files import begin_checkpoint, seal_checkpoint
 from sao_actor_learner.learner.journal import (LEARNER_STATE_FILE, checkpoint_path,
                                                prune_checkpoints)
 from sao_actor_learner.learner.policy import PolicyTrainer
@@ -70,8 +71,12 @@ class Learner(core.Worker, core.VariableSource):
       sampler: a RolloutSampler (or GroupSampler) over the learner's RolloutSource.
       max_steps: policy versions to train.
       batch_size: rollouts per step on this rank (its share of the group's batch).
-      pretrain_steps, pretrain_min_ev, warmup_steps: critic-only steps before the first policy
-        step (see the module docstring); they need an estimator with a critic.
+      value_pretraining: a learner.value_pretraining.ValuePretraining (the critic fitted on a
+        budget of the initial policy's rollouts before the first policy step) or None.
+      yardstick: a CriticYardstick (the critic's EV on fixed held-out rollouts at a cadence)
+        or None; value pretraining gives one from its held-out part when this is None.
+      warmup_steps: critic-only steps before the first policy step (after value pretraining);
+        they and value pretraining need an estimator with a critic.
       checkpoint_every: save every this many versions (0: only at the end); needs
         checkpoint_root.
       publisher: a variables.VariablePublisher (publish, report_progress) or None.
@@ -90,19 +95,20 @@ class Learner(core.Worker, core.VariableSource):
 
     def __init__(self, policy: PolicyTrainer, estimator: AdvantageEstimator,
                  sampler: RolloutSampler, *, max_steps: int, batch_size: int,
-                 pretrain_steps: int = 0, pretrain_min_ev: float = 1.0, warmup_steps: int = 0,
+                 value_pretraining=None, yardstick=None, critic_eval_every: int = 0,
+                 warmup_steps: int = 0,
                  checkpoint_every: int = 0, publisher=None,
                  serialize: Optional[Callable[[dict], object]] = None, logger=None,
                  checkpoint_root: Optional[str] = None, tokenizer: Optional[core.Tokenizer] = None,
                  keep_checkpoints: int = 0, pad_id: int = 0,
                  collective: distributed.Collective = distributed.SINGLE,
                  evaluation: Optional[Callable[[int, Callable[[], dict]], bool]] = None):
-        if (pretrain_steps or warmup_steps) and not estimator.has_critic:
-            raise ValueError(f"pretrain_steps={pretrain_steps}, warmup_steps={warmup_steps}: "
+        critic_only = value_pretraining is not None or warmup_steps
+        if critic_only and not estimator.has_critic:
+            raise ValueError(f"value pretraining or warmup_steps={warmup_steps}: "
                              f"{type(estimator).__name__} has no critic to train alone")
-        if (pretrain_steps or warmup_steps) and getattr(estimator, "critic", None) is not None \
-                and estimator.critic.shares_trunk:
-            raise ValueError(f"pretrain_steps={pretrain_steps}, warmup_steps={warmup_steps}: a "
+        if critic_only and estimator.critic.shares_trunk:
+            raise ValueError(f"value pretraining or warmup_steps={warmup_steps}: a "
                              "value head on the policy's trunk cannot train alone without "
                              "moving the policy (critic=shared_trunk)")
         self.policy_trainer = policy
@@ -110,8 +116,10 @@ class Learner(core.Worker, core.VariableSource):
         self.sampler = sampler
         self.max_steps = max_steps
         self.batch_size = batch_size
-        self.pretrain_steps = pretrain_steps
-        self.pretrain_min_ev = pretrain_min_ev
+        self.value_pretraining = value_pretraining
+        self.value_pretrain_summary: Dict[str, float] = {}
+        self.yardstick = yardstick
+        self.critic_eval_every = critic_eval_every
         self.warmup_steps = warmup_steps
         self.checkpoint_every = checkpoint_every
         self.collective = collective
@@ -122,7 +130,7 @@ class Learner(core.Worker, core.VariableSource):
         self._checkpoint_root = checkpoint_root
         self._tokenizer = tokenizer
         self._keep = keep_checkpoints
-        self._pad_id = pad_id
+        self.pad_id = pad_id
         self._stop = threading.Event()
         self._report_lock = threading.Lock()
         self._start_time = time.time()
@@ -159,6 +167,10 @@ class Learner(core.Worker, core.VariableSource):
 
     def stop(self) -> None:
         self._stop.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
 
     # --- the math ---------------------------------------------------------------------------------
     def update(self, batch: Batch, train_policy: bool = True) -> Dict[str, float]:
@@ -265,7 +277,8 @@ class Learner(core.Worker, core.VariableSource):
                 logging.info("resumed learner: version %d was published before the crash",
                              self.version)
 
-    def _log(self, row: dict) -> None:
+    def log(self, row: dict) -> None:
+        """Writes a metrics row (rank 0)."""
         if self._logger is not None:
             self._logger.write(row)
 
@@ -276,32 +289,52 @@ class Learner(core.Worker, core.VariableSource):
         rollouts, _, _ = self.sampler.sample(self.batch_size, self.version, self._stop)
         if not rollouts:
             return {}
-        stats = self.update(collate(rollouts, self._pad_id), train_policy=False)
+        stats = self.update(collate(rollouts, self.pad_id), train_policy=False)
         self.critic_only_steps += 1
         self.warmup_done += kind == "critic_warmup"
         self.consumed_without_version += int(self.collective.sum([len(rollouts)])[0])
         stats = {f"{kind}_step": self.critic_only_steps, "policy_version": self.version, **stats}
-        self._log({"kind": kind, **stats})
+        self.log({"kind": kind, **stats})
         self.report_progress()
         return stats
 
-    def pretrain_value(self) -> Dict[str, float]:
-        """Value pretraining: up to pretrain_steps critic-only steps, stopping early once
-        explained variance reaches pretrain_min_ev."""
-        stats: Dict[str, float] = {}
-        for _ in range(self.pretrain_steps):
-            if self._stop.is_set():
-                break
-            stats = self.critic_only_step("value_pretrain")
-            if stats and stats["explained_variance"] >= self.pretrain_min_ev:
-                break
-        return stats
+    def draw_critic_only(self, count: int) -> List[Rollout]:
+        """`count` rollouts of this rank for a critic-only phase (value pretraining): drawn a
+        batch at a time, counted as admission credit and reported after each batch, so the
+        actors keep producing; fewer when stopped."""
+        rollouts: List[Rollout] = []
+        while len(rollouts) < count and not self._stop.is_set():
+            got, _, _ = self.draw(min(self.batch_size, count - len(rollouts)))
+            rollouts.extend(got)
+            self.consumed_without_version += int(self.collective.sum([len(got)])[0])
+            self._share_consumed()
+            self.report_progress()
+        return rollouts
 
-    def draw(self) -> Tuple[List[Rollout], float, int]:
-        """This rank's rollouts of the next batch, (rollouts, seconds waited, dropped now); in a
-        group no key is drawn by two ranks (see the module docstring)."""
-        rollouts, waited, dropped = self.sampler.sample(self.batch_size, self.version,
-                                                        self._stop)
+    def pretrain_value(self) -> Dict[str, float]:
+        """Value pretraining (learner/value_pretraining.py); its held-out part becomes the
+        critic's yardstick when there is none."""
+        out = self.value_pretraining.run(self)
+        if out:
+            self.value_pretrain_summary = out["summary"]
+            if self.yardstick is None:
+                from sao_actor_learner.learner.value_pretraining import CriticYardstick
+                self.yardstick = CriticYardstick(out["heldout"], self.critic_eval_every,
+                                                 self.pad_id)
+        return self.value_pretrain_summary
+
+    def measure_critic(self, final: bool = False) -> None:
+        """The critic's EV on the yardstick's rollouts when due (every rank: collective)."""
+        if self.yardstick is None or not self.yardstick.due(self.version, final):
+            return
+        self.log({"kind": "critic_eval", "policy_version": self.version,
+                  **self.yardstick.measure(self.estimator, self.version)})
+
+    def draw(self, count: int = 0) -> Tuple[List[Rollout], float, int]:
+        """This rank's rollouts of the next batch (or `count` of them), (rollouts, seconds
+        waited, dropped now); in a group no key is drawn by two ranks (module docstring)."""
+        want = count or self.batch_size
+        rollouts, waited, dropped = self.sampler.sample(want, self.version, self._stop)
         while self.collective.world_size > 1:
             drawn = self.collective.gather_objects([r.key for r in rollouts])
             taken = {k for keys in drawn[:self.collective.rank] for k in keys}
@@ -310,8 +343,7 @@ class Learner(core.Worker, core.VariableSource):
             if not short:
                 break
             self.sampler.duplicates += len(rollouts) - len(mine)
-            more, w, d = self.sampler.sample(self.batch_size - len(mine), self.version,
-                                             self._stop)
+            more, w, d = self.sampler.sample(want - len(mine), self.version, self._stop)
             rollouts, waited, dropped = mine + more, waited + w, dropped + d
         return rollouts, waited, dropped
 
@@ -331,7 +363,7 @@ class Learner(core.Worker, core.VariableSource):
         rollouts, waited, dropped = self.draw()
         if not rollouts:
             return {}
-        batch = collate(rollouts, self._pad_id)
+        batch = collate(rollouts, self.pad_id)
         stats = self.update(batch)
         trained_version = self.version
         self.version += 1
@@ -361,7 +393,7 @@ class Learner(core.Worker, core.VariableSource):
         if self.resumed_from is not None:
             stats.update({"resumed_from": self.resumed_from, "replayed": int(replaying),
                           "resume_publish_conflicts": self.resume_publish_conflicts})
-        self._log(stats)
+        self.log(stats)
         if self.checkpoint_every and self.version % self.checkpoint_every == 0:
             self.save_checkpoint()
         self._evaluate()
@@ -390,15 +422,17 @@ class Learner(core.Worker, core.VariableSource):
 
     def _batch_stats(self, batch: Batch, rollouts: Sequence[Rollout],
                      version: int) -> Dict[str, float]:
-        """Staleness, reward and length statistics of the whole group's batch."""
+        """Staleness (with the per-rollout version spans, drift.py), reward and length
+        statistics of the whole group's batch."""
         mask = batch.action_mask.bool()
         token_staleness = (version - batch.versions)[mask].double()
         staleness = [r.staleness(version) for r in rollouts]
         rewards = [r.total_reward for r in rollouts]
         parts = self.collective.gather_objects(
             (staleness, rewards, float(token_staleness.sum()), int(token_staleness.numel()),
-             float(mask.sum(1).double().sum())))
+             float(mask.sum(1).double().sum()), drift.version_spans(batch.versions, mask)))
         staleness = [s for p in parts for s in p[0]]
+        spans = [s for p in parts for s in p[5]]
         rewards = np.array([r for p in parts for r in p[1]])
         n_tokens = sum(p[3] for p in parts)
         hist = np.bincount(np.array(staleness, dtype=np.int64),
@@ -408,7 +442,7 @@ class Learner(core.Worker, core.VariableSource):
             "staleness_mean": sum(p[2] for p in parts) / n_tokens if n_tokens else 0.0,
             "staleness_max": int(max(staleness)), "staleness_hist": hist.tolist(),
             "response_length_mean": sum(p[4] for p in parts) / len(staleness),
-            "batch_size": len(staleness),
+            "batch_size": len(staleness), **drift.staleness_stats(staleness, spans),
         }
 
     def run(self) -> None:
@@ -418,13 +452,17 @@ class Learner(core.Worker, core.VariableSource):
         self.publish()   # version 0: the warm start (or the version resumed from)
         self._evaluate()
         if not self.pretrain_done:
-            if self.pretrain_steps:
+            if self.value_pretraining is not None:
                 self.pretrain_value()
             while self.warmup_done < self.warmup_steps and not self._stop.is_set():
                 self.critic_only_step("critic_warmup")
             self.pretrain_done = not self._stop.is_set()
+        self.measure_critic()
         while self.version < self.max_steps and not self._stop.is_set():
             self.step()
+            self.measure_critic()
+        if not self._stop.is_set():
+            self.measure_critic(final=True)
         if self._checkpoint_root is not None and self.version > 0:
             self.save_checkpoint()
         close = getattr(self._evaluation, "close", None)
@@ -445,6 +483,11 @@ class Learner(core.Worker, core.VariableSource):
             "loss_epoch": self.loss_epoch,
             "consumed_without_version": self.consumed_without_version,
             "rollouts_trained": self.rollouts_trained, "pretrain_done": self.pretrain_done,
+            "value_pretrain_summary": self.value_pretrain_summary,
+            # This rank's yardstick rollouts (value pretraining's held-out part) and readings.
+            "yardstick": (None if self.yardstick is None else
+                          {"rollouts": self.yardstick.rollouts,
+                           "measured": dict(self.yardstick.measured)}),
             # The group's totals (rank 0's sampler state counts only its own share).
             "group_totals": dict(zip(("dropped", "from_future", "duplicates"), map(int, (
                 self.collective.sum([self.sampler.dropped, self.sampler.from_future,
@@ -469,6 +512,14 @@ class Learner(core.Worker, core.VariableSource):
         self.consumed_without_version = int(state.get("consumed_without_version", 0))
         self.rollouts_trained = int(state["rollouts_trained"])
         self.pretrain_done = bool(state.get("pretrain_done", self.version > 0))
+        self.value_pretrain_summary = dict(state.get("value_pretrain_summary") or {})
+        yard = state.get("yardstick")
+        if yard is not None and self.yardstick is None and yard["rollouts"]:
+            from sao_actor_learner.learner.value_pretraining import CriticYardstick
+            self.yardstick = CriticYardstick(yard["rollouts"], self.critic_eval_every,
+                                             self.pad_id)
+        if yard is not None and self.yardstick is not None:
+            self.yardstick.measured.update(yard["measured"])
         if self.collective.world_size > 1:   # the group's store counts anew: add this rank's
             self.collective.counter_total("dropped", self.sampler.dropped)
         rng = state.get("rng")
@@ -493,13 +544,10 @@ class Learner(core.Worker, core.VariableSource):
         def commit() -> Optional[str]:
             self.collective.barrier()          # every rank's new journal segment is on disk
             if self.collective.is_main:
-                tmp = f"{path}.tmp-{os.getpid()}"
-                shutil.rmtree(tmp, ignore_errors=True)
+                tmp = begin_checkpoint(path)   # step_<N>.tmp-<pid>, marked (run_dirs.py)
                 save_checkpoint(_WithStateDict(self.policy, weights), self._tokenizer, tmp)
                 torch.save(state, os.path.join(tmp, LEARNER_STATE_FILE))
-                if os.path.exists(path):
-                    shutil.rmtree(path)
-                os.replace(tmp, path)
+                seal_checkpoint(tmp, path)   # manifest, fsync, rename (checkpoint_files.py)
             self.collective.barrier()          # the checkpoint is complete before old segments go
             return path
 

@@ -1,0 +1,207 @@
+"""Fitting a critic on a fixed set of rollouts: value pretraining that converges.
+
+docs/METHOD.md, "Value pretraining". The paper pretrains the value model on the initial policy's
+rollouts before RL and calls its scale essential without stating it. Here pretraining is a
+rollout budget, fitted in epochs of minibatches, with a held-out part of the budget measured at
+a cadence:
+
+  - the budget's rollouts are split once into train and held-out (`heldout_fraction`);
+  - each epoch shuffles the train rollouts and takes one critic optimizer step per minibatch
+    (`CriticGAE.optimizer_step`: the learner's own step, frozen attention and all);
+  - every `eval_every` optimizer steps (0: at each epoch's end) the held-out explained
+    variance is measured (`heldout_metrics`);
+  - the fit stops at `max_epochs`, at `target_ev`, or when the held-out EV has not improved by
+    more than `min_delta` over `patience` evaluations (a plateau); the critic's trainable
+    parameters are then restored to those of the evaluation with the highest held-out EV (the
+    optimizer's moments are not: they go on from the last step).
+
+A budget that cannot be fitted (too few rollouts for a held-out part, rewards without
+variance) raises `ValueFitError` saying what to change, never a silent EV of 0.
+No reverb, tensorflow or grpc here.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from sao_actor_learner.types import Rollout, collate
+
+
+class ValueFitError(ValueError):
+    """A value-pretraining budget that cannot be fitted (see the module docstring)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FitSettings:
+    """How a fixed rollout set is fitted (module docstring)."""
+    max_epochs: int = 8
+    minibatch_size: int = 16
+    eval_every: int = 0          # optimizer steps between held-out evaluations; 0: per epoch
+    patience: int = 3            # evaluations without improvement before stopping
+    min_delta: float = 0.005     # improvement of the held-out EV that counts
+    target_ev: float = 1.0       # stop once the held-out EV reaches this
+    seed: int = 0
+
+    def check(self) -> None:
+        for name in ("max_epochs", "minibatch_size", "patience"):
+            if getattr(self, name) < 1:
+                raise ValueFitError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.eval_every < 0:
+            raise ValueFitError(f"eval_every={self.eval_every}: must be >= 0 (0: per epoch)")
+
+
+@dataclasses.dataclass
+class FitResult:
+    """The fit's curve (one dict per evaluation), the best evaluation and why it stopped."""
+    curve: List[Dict[str, float]]
+    best: Dict[str, float]
+    stopped: str                 # "plateau", "max_epochs", "target_ev" or "stopped"
+    optimizer_steps: int
+    seconds: float
+
+    def summary(self) -> Dict[str, float]:
+        return {"heldout_ev": self.best["heldout_ev"], "best_step": self.best["step"],
+                "optimizer_steps": self.optimizer_steps, "stopped": self.stopped,
+                "seconds": self.seconds, "evaluations": len(self.curve)}
+
+
+def split_heldout(rollouts: Sequence[Rollout], fraction: float, seed: int = 0
+                  ) -> Tuple[List[Rollout], List[Rollout]]:
+    """(train, held-out): the held-out part is exactly round(fraction * n) rollouts (at least
+    2), taken prompt by prompt in a seeded order of the prompts, so rollouts of one group_id
+    stay together except at the boundary, and ranks of a learner group with equal shares get
+    equal splits."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueFitError(f"heldout fraction {fraction}: must be in (0, 1)")
+    n_held = max(2, int(round(fraction * len(rollouts))))
+    if len(rollouts) - n_held < 1:
+        raise ValueFitError(f"{len(rollouts)} rollouts cannot be split into a train part and "
+                            f"{n_held} held out: value pretraining needs more rollouts (raise "
+                            "--value_pretrain_rollouts)")
+    groups = sorted({int(r.group_id) for r in rollouts})
+    rank = {g: i for i, g in enumerate(np.random.default_rng(seed).permutation(groups))}
+    ordered = sorted(rollouts, key=lambda r: rank[int(r.group_id)])
+    return ordered[n_held:], ordered[:n_held]
+
+
+def check_fittable(rollouts: Sequence[Rollout], what: str = "value pretraining") -> None:
+    """Raises ValueFitError when the rollouts' rewards cannot teach a critic anything."""
+    if not rollouts:
+        raise ValueFitError(f"{what} got no rollouts: raise --value_pretrain_rollouts or check "
+                            "that the actors produce rollouts")
+    rewards = np.array([r.total_reward for r in rollouts], dtype=np.float64)
+    if rewards.var() <= 1e-12:
+        raise ValueFitError(f"{what}: all {len(rollouts)} rollouts have reward "
+                            f"{rewards[0]:g}, so there is no variance for a critic to explain "
+                            "(check the reward function, or start from a policy that "
+                            "sometimes succeeds); set --value_pretrain_rollouts=0 to skip it")
+
+
+def heldout_metrics(estimator, rollouts: Sequence[Rollout], pad_id: int,
+                    chunk: int = 64) -> Dict[str, float]:
+    """The critic's explained variance and value loss on `rollouts` (this rank's; the group's
+    totals are summed), against the targets the estimator trains on (lambda_critic)."""
+    sums = np.zeros(5)   # n, sum r, sum r^2, sum (r - v), sum (r - v)^2
+    for i in range(0, len(rollouts), chunk):
+        batch = collate(rollouts[i:i + chunk], pad_id).to(estimator.device)
+        estimate = estimator.estimate(batch)
+        m = batch.action_mask.bool()
+        r = estimate.returns[m].double()
+        e = r - estimate.values[m].double()
+        sums += np.array([r.numel(), float(r.sum()), float((r * r).sum()), float(e.sum()),
+                          float((e * e).sum())])
+    n, sr, sr2, se, se2 = estimator.collective.sum(sums.tolist())
+    if n < 2:
+        return {"heldout_ev": 0.0, "heldout_value_loss": 0.0, "heldout_tokens": n}
+    var_r = sr2 / n - (sr / n) ** 2
+    var_e = se2 / n - (se / n) ** 2
+    return {"heldout_ev": 1.0 - var_e / var_r if var_r > 1e-12 else 0.0,
+            "heldout_value_loss": 0.5 * se2 / n, "heldout_tokens": n}
+
+
+def _trainable_state(estimator) -> Dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in estimator.critic.named_parameters()
+            if p.requires_grad}
+
+
+def _load_trainable(estimator, state: Dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, p in estimator.critic.named_parameters():
+            if n in state:
+                p.copy_(state[n])
+
+
+def fit(estimator, train: Sequence[Rollout], heldout: Sequence[Rollout],
+        settings: FitSettings, pad_id: int = 0,
+        log: Optional[Callable[[Dict[str, float]], None]] = None,
+        should_stop: Callable[[], bool] = lambda: False) -> FitResult:
+    """Fits `estimator`'s critic (a learner.estimators.CriticGAE) on `train`, measuring
+    `heldout` (module docstring). In a learner group every rank passes its own share of equal
+    size; optimizer steps and evaluations are collective. `log(row)` gets each evaluation."""
+    settings.check()
+    check_fittable(list(train) + list(heldout))
+    world = estimator.collective.world_size
+    per_rank = max(1, settings.minibatch_size // world)
+    # Every rank takes the same number of optimizer steps (each one is collective).
+    steps_per_epoch = -int(estimator.collective.max([-max(1, len(train) // per_rank)])[0])
+    rng = np.random.default_rng(settings.seed + estimator.collective.rank)
+    start = time.time()
+    curve: List[Dict[str, float]] = []
+    best_state, best, reference = None, None, None
+    since_best, step, stopped = 0, 0, "max_epochs"
+
+    def evaluate(epoch: float) -> bool:
+        nonlocal best_state, best, since_best, stopped, reference
+        estimator.critic.eval()
+        row = {"step": step, "epoch": epoch, "seconds": time.time() - start,
+               **heldout_metrics(estimator, heldout, pad_id)}
+        curve.append(row)
+        if log is not None:
+            log(row)
+        if best is None or row["heldout_ev"] > best["heldout_ev"]:
+            best, best_state = row, _trainable_state(estimator)
+        if reference is None or row["heldout_ev"] > reference + settings.min_delta:
+            reference, since_best = row["heldout_ev"], 0    # an improvement that counts
+        else:
+            since_best += 1
+        if row["heldout_ev"] >= settings.target_ev:
+            stopped = "target_ev"
+            return True
+        if since_best >= settings.patience:
+            stopped = "plateau"
+            return True
+        return False
+
+    done = evaluate(0.0)
+    for epoch in range(settings.max_epochs):
+        if done:
+            break
+        order = rng.permutation(len(train))
+        for k in range(steps_per_epoch):
+            if should_stop():
+                stopped, done = "stopped", True
+                break
+            rows = [train[i] for i in order[k * per_rank:(k + 1) * per_rank]]
+            batch = collate(rows, pad_id).to(estimator.device)
+            estimate = estimator.estimate(batch)
+            estimator.critic.train()
+            scratch = torch.zeros(batch.tokens.shape, dtype=torch.float32,
+                                  device=batch.tokens.device)
+            estimator.optimizer_step(batch, estimate, np.arange(batch.size), scratch)
+            step += 1
+            if settings.eval_every and step % settings.eval_every == 0:
+                if evaluate(epoch + (k + 1) / steps_per_epoch):
+                    done = True
+                    break
+        if not done and not settings.eval_every:
+            done = evaluate(float(epoch + 1))
+    if best_state is not None:
+        _load_trainable(estimator, best_state)
+    estimator.critic.eval()
+    return FitResult(curve=curve, best=dict(best or {}), stopped=stopped, optimizer_steps=step,
+                     seconds=time.time() - start)
