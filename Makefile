@@ -141,7 +141,7 @@ run-dataset: venv warm-start-dataset critic-dataset
 	    print('held-out accuracy %.3f -> %.3f (%+.1f points) on 500 test problems in %.0f s; critic held-out EV %.3f -> %.3f' % \
 	    (s['initial_eval_accuracy'], s['final_eval_accuracy'], 100 * s['eval_accuracy_gain'], s['wall_time_s'], \
 	     s['critic_heldout_ev_start'], s['critic_heldout_ev_end']))"
-DATASET_CRITIC_LR ?= 2e-4
+DATASET_CRITIC_LR ?= 5e-4
 DATASET_CRITIC_MINIBATCHES ?= 2
 
 run: venv warm-start

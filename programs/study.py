@@ -17,7 +17,10 @@ Presets (programs/studies/presets.py):
   ablations       DIS / PPO-clip / TIS / no correction (at k = 4); frozen-attention vs full
                   critic; K = 1 vs 2.
   gae             skip-observation vs standard GAE on the multi-turn calculator_tool task.
-  value_pretrain  explained variance and accuracy vs value_pretrain_steps.
+  value_pretrain  explained variance and accuracy vs value_pretrain_rollouts (0, 160, 480,
+                  960 fitted online, and the value-pretrained critic directory).
+  (single_rollout, ablations and value_pretrain run SAO with the critic of `make
+  critic-dataset`, 5 seeds: docs/REPRODUCTION.md, "The critic".)
   online_shift    task=online_shift, the reward rule flips every 40 versions: steps to
                   recover 75% of the pre-shift held-out accuracy, per method.
   all             the seven above, in that order (cells two studies share run once).

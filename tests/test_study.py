@@ -94,10 +94,14 @@ def test_presets_are_well_formed_and_cells_sharing_a_folder_are_one_config():
             assert by_name.setdefault(cell.name, key) == key, cell.name
     for name in studies.FULL:
         assert name in studies.STUDIES
-    # the studies reuse each other's cells: the ablations' DIS k=4 is the asynchrony's SAO k=4
-    asyn = {c.name for _, c in studies.cells_of(studies.STUDIES["asynchrony"])}
-    abl = {c.name for _, c in studies.cells_of(studies.STUDIES["ablations"])}
-    assert asyn & abl
+    # the studies reuse each other's cells: the asynchrony study's GRPO cells are the single-
+    # rollout study's; SAO with the learning critic is in single_rollout, ablations (frozen,
+    # K=2) and value_pretrain (the offline critic directory)
+    cells = {name: {c.name for _, c in studies.cells_of(studies.STUDIES[name])}
+             for name in ("asynchrony", "single_rollout", "ablations", "value_pretrain")}
+    assert cells["single_rollout"] & cells["ablations"] & cells["value_pretrain"]
+    for name in ("single_rollout", "ablations", "value_pretrain"):   # >= 5 seeds, the critic's
+        assert len(studies.STUDIES[name].seeds) >= 5
 
 
 # --- comparisons: Welch p-values adjusted per family ----------------------------------------
@@ -167,8 +171,15 @@ def fake_run(config: SAOConfig, rng: random.Random) -> None:
     with open(os.path.join(config.run_dir, "config.json"), "w") as f:
         f.write(config.to_json())
     rows, acc, evals = [], rng.uniform(0.2, 0.5), {}
-    for v in range(config.value_pretrain_steps):
-        rows.append({"kind": "value_pretrain", "step": v + 1, "explained_variance": v / 100})
+    if config.value_pretrain_rollouts:
+        for epoch in range(3):
+            rows.append({"kind": "value_pretrain", "step": epoch * 10, "epoch": epoch,
+                         "heldout_ev": epoch / 10})
+        rows.append({"kind": "value_pretrain_done", "heldout_ev": 0.2, "evaluations": 3,
+                     "rollouts": config.value_pretrain_rollouts})
+    if config.algorithm == "sao":
+        rows += [{"kind": "critic_eval", "policy_version": v, "critic_heldout_ev": 0.3 - v / 1e3}
+                 for v in (0, config.max_steps)]
     for step in range(config.max_steps + 1):
         if step % config.eval_every == 0 or step == config.max_steps:
             evals[step] = acc
@@ -215,7 +226,9 @@ def test_every_study_writes_its_tables_and_figures_from_finished_runs(tmp_path):
             shifts = rows_of(os.path.join(out, name, "recovery.csv"))
             assert len(shifts) == len(results) * 3   # 100 steps, a shift every 25
         if name == "value_pretrain":
-            assert {r["param"] for r in summary} == {str(n) for n in studies.PRETRAIN_STEPS}
+            assert {r["param"] for r in summary} == {str(n) for n in studies.PRETRAIN_ROLLOUTS
+                                                     } | {"2400"}
+            assert all(r["critic_heldout_ev_start"] for r in results)
     shared = json.load(open(os.path.join(out, "ablations", "study.json")))
     assert shared["cells_shared_with_earlier_studies"]
 

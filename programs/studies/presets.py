@@ -12,6 +12,8 @@ rule changes) and the GAE ablation task=calculator_tool (the only multi-turn tas
 skip-observation and standard GAE differ). Sizes were calibrated so that held-out accuracy
 still rises at the end of the main runs and the whole grid (143 runs, ~3.2 h one at a time)
 takes ~85 min with `--workers=2` on 2 CPU cores (docs/REPRODUCTION.md, "Scale" and the run log).
+The critic studies (single_rollout, ablations, value_pretrain) were re-run with a critic that
+learns (the value-pretrained directory of `make critic-dataset`, 5 seeds): they need it built.
 
 Per study (`<out_dir>/<study>/`, copied to <results_dir>/<study>/, e.g. results/study/): results.csv (one row per run),
 curves.csv (one row per run and learner step), summary.csv (per variant: mean and 95% t

@@ -54,10 +54,13 @@ class LearnerConfig(Section):
                                           "initial policy the critic is fitted on before RL "
                                           "(epochs of minibatches, a held-out part for the "
                                           "stopping rule; critic/fit.py); 0: none.")
-    value_pretrain_epochs: int = option(8, "Value pretraining: the most epochs over the budget.")
+    value_pretrain_epochs: int = option(14, "Value pretraining: the most epochs over the "
+                                        "budget.")
     value_pretrain_minibatch: int = option(16, "Value pretraining: rollouts per critic "
                                            "optimizer step.")
-    value_pretrain_lr: float = option(2e-4, "Value pretraining: the critic's learning rate.")
+    value_pretrain_lr: float = option(5e-4, "Value pretraining: the critic's learning rate "
+                                      "(the critic probe's choice on the dataset workload: "
+                                      "docs/REPRODUCTION.md, the critic).")
     value_pretrain_patience: int = option(3, "Value pretraining stops when the held-out "
                                           "explained variance has not improved for this many "
                                           "evaluations (one per epoch).")
