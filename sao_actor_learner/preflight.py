@@ -57,6 +57,10 @@ def check_before_launch(config: SAOConfig) -> Dict:
         check_model_dir(config.model, "--model")
     except ModelDirError as e:
         raise ConfigError(str(e) + _model_hint(config)) from None
+    if config.critic_heldout_file and not os.path.isfile(config.critic_heldout_file):
+        raise ConfigError(f"--critic_heldout_file={config.critic_heldout_file!r} is not a file "
+                          "(held-out rollouts saved by critic/rollout_set.save_rollouts, e.g. a "
+                          "critic directory's heldout_rollouts.npz); fix the path or drop it")
     if config.critic_model and not os.path.isdir(config.critic_model):
         raise ConfigError(f"--critic_model={config.critic_model!r} is not a directory (a critic "
                           "directory written by ValueModel.save, or a causal-LM directory)")

@@ -110,3 +110,12 @@ def test_a_critic_directory_of_another_model_fails_before_launch(critic_dir, tmp
     with pytest.raises(ConfigError) as e:
         check_before_launch(config)
     assert str(other) in str(e.value) and warm_start in str(e.value)
+
+
+def test_a_missing_heldout_file_fails_before_launch(warm_start, tmp_path):
+    from sao_actor_learner.preflight import check_before_launch
+    config = SAOConfig(task="arithmetic", init_checkpoint=warm_start,
+                       critic_heldout_file=str(tmp_path / "none.npz"),
+                       run_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="critic_heldout_file"):
+        check_before_launch(config)

@@ -218,3 +218,25 @@ def test_value_pretraining_trains_only_the_critic_and_keeps_admission_open():
     # weights are not re-sent.
     assert publisher.published == []
     assert [r[:2] for r in publisher.reports] == [(0, 4), (0, 8), (0, 12)]
+
+
+def test_resume_keeps_the_critic_state_value_pretraining_added():
+    """learner_state -> restore: the critic and its optimizer, the pretraining's outcome, the
+    yardstick's rollouts and readings come back, and pretraining is not run again."""
+    rollouts = [r for seed in range(3) for r in on_policy_rollouts(make_learner(), n=4, seed=seed)]
+    first = make_learner(value_pretrain_rollouts=12, value_pretrain_epochs=1,
+                         value_pretrain_minibatch=4, source=ListReader(rollouts))
+    first.pretrain_value()
+    first.pretrain_done = True
+    first.measure_critic()
+    state = first.learner_state()
+    second = make_learner(value_pretrain_rollouts=12, source=ListReader([]))
+    second.restore(state)
+    assert second.pretrain_done and second.value_pretrain_summary == first.value_pretrain_summary
+    assert [r.key for r in second.yardstick.rollouts] == [r.key for r in first.yardstick.rollouts]
+    assert second.yardstick.measured == first.yardstick.measured == {
+        0: pytest.approx(first.yardstick.measured[0])}
+    assert not second.yardstick.due(0)          # version 0 was measured before the restart
+    for (n, p), (_, q) in zip(first.estimator.critic.named_parameters(),
+                              second.estimator.critic.named_parameters()):
+        assert torch.equal(p, q), n
