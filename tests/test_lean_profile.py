@@ -67,7 +67,7 @@ def test_a_resolved_config_never_applies_its_profile_again():
     (dict(critic="shared_trunk", algorithm="grpo", group_size=2, actor_batch=8),
      "only sao has a critic"),
     (dict(critic="shared_trunk", critic_model="/tmp/critic"), "drop --critic_model"),
-    (dict(critic="shared_trunk", value_pretrain_steps=3), "critic-only steps"),
+    (dict(critic="shared_trunk", value_pretrain_rollouts=30), "critic-only steps"),
     (dict(critic="shared_trunk", critic_warmup_steps=1), "critic-only steps"),
     (dict(critic="shared_trunk", loss_normalization="kept_tokens"), "kept-token"),
     (dict(critic="shared_trunk", value_loss_coef=0.0), "value_loss_coef=0.0"),

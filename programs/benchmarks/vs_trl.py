@@ -13,7 +13,9 @@ SAO recipe):
   dataset     the GSM8K-style parquet files of `make run-dataset` from
               checkpoints/warm_start_dataset (a Qwen3-shaped model with a BPE tokenizer and chat
               template), the gsm8k reward, 96-token completions, SAO with `make run-dataset`'s
-              recipe (cosine policy lr 2e-4, critic lr 2e-4, 40 value-pretraining steps).
+              recipe before the critic fix (cosine policy lr 2e-4, critic lr 2e-4, value
+              pretraining of 1,280 rollouts inside the clock; the value-pretrained critic of
+              `make run-dataset` now is not used here yet).
 Both sides train on the task's training prompts and are scored on the same --eval_size held-out
 prompts with the same greedy evaluation (max_new_tokens tokens, the task's is_correct) every
 --eval_every steps and at step 0. Each runs in its own process with OMP_NUM_THREADS=1:
@@ -90,7 +92,7 @@ WORKLOADS = {
     "dataset": {"init_checkpoint": "checkpoints/warm_start_dataset", "max_new_tokens": 96,
                 "max_sequence_length": 512, "sao_policy_lr": 2e-4, "sao_num_actors": 1,
                 "sao_flags": ["--actor_batch=16", "--lr_schedule=cosine", "--critic_lr=2e-4",
-                              "--value_pretrain_steps=40"]},
+                              "--value_pretrain_rollouts=1280"]},
 }
 
 FLAGS = flags.FLAGS
@@ -282,7 +284,7 @@ def run_sao(name: str) -> Dict:
                         startup_s=learner_start - proc["t_launch"],
                         extra={"rollouts_generated": summary.get("rollouts_generated"),
                                # the critic's pretraining before policy step 1, inside the
-                               # training clock (0 without --value_pretrain_steps)
+                               # training clock (0 without --value_pretrain_rollouts)
                                "value_pretrain_s": round(max(pretrain) - learner_start, 3)
                                if pretrain else 0.0,
                                "learner_step_s_median": round(statistics.median(
