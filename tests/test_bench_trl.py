@@ -159,7 +159,8 @@ def test_vs_trl_smoke_prints_a_table_and_one_json_line(warm_start, tmp_path):
         f"--threshold={threshold}", "--also_thresholds=0.4", "--eval_every=2", "--eval_size=40",
         "--rollouts_per_step=8", "--sao_max_steps=4", "--trl_group_sizes=2",
         "--trl_lrs=1e-4", "--trl_time_budget_s=3", "--trl_max_steps=6",
-        "--sao_extra_flags=--actor_batch=4", "--stall_timeout_s=400",
+        "--sao_extra_flags=--actor_batch=4,--value_pretrain_rollouts=0",
+        "--stall_timeout_s=400",
         "--subprocess_timeout_s=500"])
     assert result["workload"] == "arithmetic"
     _check_format(result, threshold)
@@ -186,7 +187,8 @@ def test_vs_trl_dataset_workload_smoke_prints_a_table_and_one_json_line(tmp_path
         f"--threshold={threshold}", "--also_thresholds=0.4", "--eval_every=2", "--eval_size=12",
         "--max_new_tokens=16", "--rollouts_per_step=8", "--sao_max_steps=2",
         "--trl_group_sizes=2", "--trl_lrs=1e-4", "--trl_time_budget_s=3", "--trl_max_steps=3",
-        "--sao_extra_flags=--actor_batch=4", "--stall_timeout_s=400",
+        "--sao_extra_flags=--actor_batch=4,--value_pretrain_rollouts=0",
+        "--stall_timeout_s=400",
         "--subprocess_timeout_s=500"])
     _check_format(result, threshold)
     assert result["workload"] == "dataset" and result["max_new_tokens"] == 16
