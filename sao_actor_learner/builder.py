@@ -24,7 +24,8 @@ def setup_process(config: SAOConfig, offset: int = 0) -> None:
     import numpy as np
     import torch
 
-    torch.set_num_threads(config.threads_per_process)
+    from sao_actor_learner.launch.placement import node_threads
+    torch.set_num_threads(node_threads(config.threads_per_process))   # a placed node: its cores
     try:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set in this process (threaded launch)
@@ -83,7 +84,8 @@ def prepare_run_dir(config: SAOConfig, run_dir: Optional[str] = None) -> None:
 
 def _check_resumable(config: SAOConfig, run_dir: str) -> None:
     """--resume: the replay checkpoint brings back its own rate limiter (docs/FACTS.md), so a changed
-    queue capacity would silently not apply; refuse it before anything starts."""
+    queue capacity would silently not apply; refuse it before anything starts, and the other
+    settings a resumed run cannot change (resume_checks.py)."""
     from sao_actor_learner.config import ConfigError
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
@@ -102,6 +104,8 @@ def _check_resumable(config: SAOConfig, run_dir: str) -> None:
             f"{run_dir!r} used {previous.effective_queue_capacity}: Reverb restores the replay "
             "checkpoint's rate limiter, so the new capacity would not apply; resume with "
             f"queue_capacity={previous.effective_queue_capacity}")
+    from sao_actor_learner.resume_checks import check_resumed_settings
+    check_resumed_settings(previous, config, run_dir)   # batch_size, model, ...: refused
 
 
 def launch_options(config: SAOConfig) -> dict:
@@ -121,6 +125,9 @@ def launch_options(config: SAOConfig) -> dict:
     if config.launch == "ray":
         options["ray_address"] = config.ray_address or None
         options["resources"] = parse_ray_resources(config.ray_resources)
+    from sao_actor_learner.config.sections import PROGRAM_GROUPS
+    from sao_actor_learner.launch.placement import placement_launch_options
+    options.update(placement_launch_options(config.placement, config.launch, PROGRAM_GROUPS))
     return options
 
 

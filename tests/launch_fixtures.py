@@ -292,3 +292,25 @@ def make_crash_once_server(marker_path: str, port: int) -> EchoServer:
         open(marker_path, "w").close()
         raise RuntimeError("first start fails on purpose")
     return EchoServer("again", port)
+
+
+class PlacementReporter(Worker):
+    """Writes where its process runs: CPU affinity, CUDA_VISIBLE_DEVICES, thread settings."""
+
+    def __init__(self, out_path: str) -> None:
+        self.out_path = out_path
+
+    def run(self) -> None:
+        from sao_actor_learner.launch.placement import node_threads
+        _write_json(self.out_path, {
+            "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "node_threads": node_threads(7)})
+
+    def stop(self) -> None:
+        pass
+
+
+def make_placement_reporter(out_path: str) -> PlacementReporter:
+    return PlacementReporter(out_path)

@@ -148,6 +148,9 @@ class SAOConfig(LaunchConfig, EvalConfig, DatasetConfig, LearnerConfig, EngineCo
 
     def check_across_sections(self, fail) -> None:
         G = self.group_size
+        if self.placement and self.launch == "local_mt":
+            fail(f"placement={','.join(self.placement)} needs launch=local_mp (a process per "
+                 "node); under local_mt every node is a thread of one process")
         if not self.model:
             fail(f"task={self.task!r} has no default model: pass --model=DIR, a Hugging Face "
                  "model directory (config.json, weights, tokenizer)")

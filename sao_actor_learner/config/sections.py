@@ -401,6 +401,12 @@ class LaunchConfig(Section):
                               "ray.init()); auto or ray://HEAD:10001 joins a cluster.")
     ray_resources: Tuple[str, ...] = option((), "launch=ray: GROUP:CPUS[:GPUS] reserved by each "
                                             "node of GROUP, e.g. learner:1:1,actor:1.")
+    placement: Tuple[str, ...] = option((), "launch=local_mp: GROUP:cpuN[-M] and/or "
+                                        "GROUP:gpuN[-M] pins each group's processes to those "
+                                        "cores (torch threads sized to them) and GPUs "
+                                        "(CUDA_VISIBLE_DEVICES), e.g. actor:cpu0,learner:cpu1 "
+                                        "or actor:gpu0-3,learner:gpu4-7. Unnamed groups run "
+                                        "anywhere; ignored with a warning under Ray.")
     restart_groups: Tuple[str, ...] = option(("actor", "evaluator"), "Crashed nodes of these "
                                              "groups are restarted (the learner resumes from "
                                              "its checkpoint and journal).")
@@ -432,6 +438,12 @@ class LaunchConfig(Section):
             parse_ray_resources(self.ray_resources)
         except ValueError as e:
             fail(str(e))
+        if self.placement:
+            from sao_actor_learner.launch.placement import check_placement, parse_placement
+            try:
+                check_placement(parse_placement(self.placement, PROGRAM_GROUPS))
+            except ValueError as e:
+                fail(str(e))
         if bool(self.tls_cert) != bool(self.tls_key):
             fail(f"tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r}: give both (TLS on the "
                  "variable server) or neither")

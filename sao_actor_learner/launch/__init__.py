@@ -57,7 +57,8 @@ def launch(program: Program, launch_type: str = "local_mp", run_dir: Optional[st
            restart: Optional[Mapping[str, RestartPolicy]] = None,
            bind_host: str = "127.0.0.1",
            ray_address: Optional[str] = None,
-           resources: Optional[Mapping[str, Mapping[str, float]]] = None) -> Launched:
+           resources: Optional[Mapping[str, Mapping[str, float]]] = None,
+           group_env: Optional[Mapping[str, Mapping[str, str]]] = None) -> Launched:
     """Starts every node of `program` and returns the running program.
 
     launch_type: "local_mp" (a process per node, the default), "local_mt" (a thread per node)
@@ -79,6 +80,8 @@ def launch(program: Program, launch_type: str = "local_mp", run_dir: Optional[st
       None starts a local Ray instance unless this process already called ray.init().
     resources: launch_type="ray" only: group label -> Ray resources of each of its nodes, e.g.
       {"learner": {"num_cpus": 1, "num_gpus": 1}} (unlisted groups reserve nothing).
+    group_env: launch_type="local_mp" only: group label -> extra environment variables of its
+      nodes' processes, over `env` (placement.placement_env: CPU sets, CUDA_VISIBLE_DEVICES).
 
     If starting fails, whatever started is stopped before the error propagates.
     """
@@ -87,6 +90,10 @@ def launch(program: Program, launch_type: str = "local_mp", run_dir: Optional[st
     if launch_type != "ray" and (ray_address is not None or resources):
         raise ValueError(f"ray_address / resources apply to launch_type='ray' only, not "
                          f"{launch_type!r}")
+    if group_env and launch_type != "local_mp":
+        raise ValueError(f"group_env (placement) applies to launch_type='local_mp' only, not "
+                         f"{launch_type!r}: threads share one process's environment, and Ray "
+                         "places nodes by resources")
     if not isinstance(program, Program):
         raise TypeError(f"launch({program!r}): expected a Program")
     if not program.nodes:
@@ -115,7 +122,8 @@ def launch(program: Program, launch_type: str = "local_mp", run_dir: Optional[st
         run_dir = tempfile.mkdtemp(prefix=f"{program.name}-")
     os.makedirs(run_dir, exist_ok=True)
     launched = Launched(program, runner, run_dir, terminal_groups, env or {}, notice_s,
-                        service_timeout_s, restart=restart, bind_host=bind_host)
+                        service_timeout_s, restart=restart, bind_host=bind_host,
+                        group_env=group_env)
     program.mark_launched()
     try:
         launched.start()

@@ -63,13 +63,16 @@ class Launched:
                  env: Optional[Mapping[str, str]] = None, notice_s: float = 10.0,
                  service_timeout_s: float = 120.0,
                  restart: Optional[Mapping[str, RestartPolicy]] = None,
-                 bind_host: str = "127.0.0.1") -> None:
+                 bind_host: str = "127.0.0.1",
+                 group_env: Optional[Mapping[str, Mapping[str, str]]] = None) -> None:
         self.program, self.runner, self.run_dir = program, runner, run_dir
         self.launch_type = runner.launch_type
         self.notice_s = float(notice_s)
         self.service_timeout_s = float(service_timeout_s)
         self.bind_host = bind_host
         self.env = {str(k): str(v) for k, v in (env or {}).items()}
+        self.group_env = {str(g): {str(k): str(v) for k, v in e.items()}
+                          for g, e in (group_env or {}).items()}
         self._stop_lock = threading.RLock()
         self._stop_requested = self._stopped = self._started = False
         self._stop_event = threading.Event()     # wakes restarts waiting out their backoff

@@ -72,13 +72,14 @@ class ProcessRunner(Runner):
         # dies. (Not a multiprocessing.Event: its set() blocks forever once a process that
         # waited on it has exited.)
         reader, writer = self._ctx.Pipe(duplex=False)
+        env = {**launched.env, **launched.group_env.get(r.node.label, {})}   # placement
         proc = self._ctx.Process(
             target=process_main, name=f"{launched.program.name}/{r.name}",
             args=(self._payloads[r.name], r.name, port, r.log_path, reader, launched.notice_s,
-                  launched.env))
+                  env))
         with _ENV_LOCK:
-            saved = {k: os.environ.get(k) for k in launched.env}
-            os.environ.update(launched.env)
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
             try:
                 proc.start()
             finally:

@@ -30,6 +30,7 @@ import traceback
 from typing import Any, Callable, Mapping, Optional
 
 from sao_actor_learner.launch.logs import flush_std_streams, redirect_output
+from sao_actor_learner.launch.placement import apply_cpu_set
 from sao_actor_learner.launch.program import map_handles
 
 __all__ = ["WorkerControl", "build_and_run", "process_main", "watch_parent"]
@@ -122,7 +123,9 @@ def process_main(payload: bytes, name: str, port: Optional[int], log_path: str,
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C is the launcher's to handle
     redirect_output(log_path)
     os.environ.update(env)
-    print(f"[launch] {name}: pid {os.getpid()}, launcher pid {os.getppid()}", flush=True)
+    cores = apply_cpu_set()    # --placement: this group's CPU set (launch/placement.py)
+    print(f"[launch] {name}: pid {os.getpid()}, launcher pid {os.getppid()}"
+          + (f", cores {list(cores)}" if cores else ""), flush=True)
     control = WorkerControl(name)
     threading.Thread(target=watch_parent, args=(stop_conn, control, notice_s), daemon=True,
                      name="launch-watcher").start()
