@@ -85,6 +85,16 @@ setup(
         "data": ["pyarrow>=14,<26"],
         # The "math_verify" reward (sao_actor_learner/rewards/).
         "math": ["math-verify[antlr4_13_2]>=0.9,<0.10"],
+        # Experiment trackers (--tracker; sao_actor_learner/observers/). wandb 0.29 and later
+        # need protobuf>=5, which TensorFlow 2.15 (Reverb) does not allow.
+        "wandb": ["wandb>=0.19.10,<0.29"],
+        # mlflow-skinny: MLflow's client and local stores without its server's dependencies.
+        "mlflow": ["mlflow-skinny>=2.10,<4"],
+        # LoRA adapters on the policy (--lora_rank; sao_actor_learner/models/lora.py).
+        "lora": ["peft>=0.21,<1"],  # 0.21: the version tested with transformers 5
+        # Reading GGUF files (make real-model; sao_actor_learner/models/gguf_convert.py):
+        # transformers dequantizes them with gguf, and loads them through accelerate.
+        "gguf": ["gguf>=0.10,<1", "accelerate>=0.26,<2"],
     },
     # The replay item's one-pass checks and packing (sao_actor_learner/replay/_itemfast.c).
     # Optional: without a C compiler the install goes on and the numpy versions run instead.

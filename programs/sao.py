@@ -7,8 +7,11 @@ Every field of `SAOConfig` is a flag (see `--helpfull`). The config is validated
 process starts. Writes config.json, metrics.jsonl, TensorBoard events, checkpoints/ and
 summary.json under --run_dir, and prints the held-out accuracy before and after.
 
-Security: --auth_token (or $SAO_AUTH_TOKEN) is the secret every variable-server call
-must carry; it is needed to bind a non-loopback --bind_host and is never written to config.json.
+Security (README "Security", sao_actor_learner/credentials.py): $SAO_AUTH_TOKEN (or
+--auth_token, which `ps` shows) is the secret every variable-server call must carry; a
+non-loopback --bind_host needs it and TLS (--tls_cert, --tls_key) or --insecure_transport.
+A run split over hosts (--groups, --service_addresses) also takes $SAO_LEARNER_TOKEN and
+$SAO_ROLLOUT_SECRET from the environment. No secret is written to config.json or logs.
 """
 import json
 import os
@@ -19,12 +22,15 @@ from absl import app, flags
 from sao_actor_learner.builder import make_program
 from sao_actor_learner.config import RENAMED_FIELDS, ConfigError, SAOConfig
 from sao_actor_learner.flags import config_from_flags, define_flags_from_dataclass
+from sao_actor_learner.config.network import parse_service_addresses
 from sao_actor_learner.run import run_program
+from sao_actor_learner.split_launch import runs_remote_learner
 
 define_flags_from_dataclass(SAOConfig)
 flags.DEFINE_bool("progress", True, "Show a progress line.")
 flags.DEFINE_string("auth_token", None, "Shared secret for every variable-server call (default: "
-                    "$SAO_AUTH_TOKEN); needed with a non-loopback --bind_host. Not saved.")
+                    "$SAO_AUTH_TOKEN, which is better: other users see a command line in ps); "
+                    "needed with a non-loopback --bind_host. Not saved.")
 for _old, (_new, _, _) in RENAMED_FIELDS.items():   # refused with the new name, not "unknown"
     flags.DEFINE_string(_old, None, f"Renamed: use --{_new}.")
 FLAGS = flags.FLAGS
@@ -43,6 +49,10 @@ def main(argv):
     except ConfigError as e:
         sys.exit(f"invalid configuration: {e}")
     print(json.dumps(summary, indent=2, sort_keys=True))
+    if runs_remote_learner(config):   # a launch of actors alone (--groups)
+        print(f"actors done: {summary['rollouts_inserted']} rollouts inserted for the learner at "
+              f"{parse_service_addresses(config.service_addresses)['variables']}")
+        return
     print(f"held-out accuracy: {summary['initial_eval_accuracy']} (warm start) -> "
           f"{summary['final_eval_accuracy']} after {summary['steps']} steps "
           f"in {summary['wall_time_s']:.0f}s; summary at {config.run_dir}/summary.json")

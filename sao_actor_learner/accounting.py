@@ -51,7 +51,7 @@ def rollout_accounting(run_dir: str) -> Dict:
         acked |= {(actor, s) for s in state["acked"]}
         held |= {(actor, s) for s in state["held"]}
         refused.update(state["refused"])
-        sent_once += len(state["sent"])
+        sent_once += state["sent_once"]
         stats = os.path.join(run_dir, f"actor_{actor}_stats.json")
         if os.path.exists(stats):
             with open(stats) as f:

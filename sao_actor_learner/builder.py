@@ -6,15 +6,15 @@ torch models, the learner never imports the engine, nothing but the replay path 
 """
 from __future__ import annotations
 
-import dataclasses
 import os
-import secrets
 from typing import Optional
 
 from sao_actor_learner import core
 from sao_actor_learner.config import SAOConfig
-from sao_actor_learner.run_dirs import (clear_fresh_run, make_owned_dir, replay_checkpoint_dir,
-                                        variables_state_dir)
+from sao_actor_learner.launch_setup import launch_options, prepare_run_dir  # noqa: F401
+from sao_actor_learner.run_dirs import make_owned_dir
+from sao_actor_learner.services import (make_replay_server, make_variable_server,  # noqa: F401
+                                        publisher_shm, variables_client_security)
 
 
 def setup_process(config: SAOConfig, offset: int = 0) -> None:
@@ -45,147 +45,6 @@ def sampling_params(config: SAOConfig, greedy: bool = False, stop_ids=()):
 
 
 # --- the parts --------------------------------------------------------------------------------------
-def make_replay_server(config: SAOConfig, port: int = 0, run_dir: Optional[str] = None):
-    """The replay node; with config.replay_checkpoints it restores the newest Reverb checkpoint
-    in replay_checkpoint_dir when it starts and writes one periodically and when it stops."""
-    from sao_actor_learner.replay import ReplayServer
-    checkpoint_dir = make_owned_dir(replay_checkpoint_dir(config, run_dir)) \
-        if config.replay_checkpoints else None   # marked: a fresh run may clear it (run_dirs)
-    return ReplayServer(config.effective_queue_capacity, port=port, checkpoint_dir=checkpoint_dir,
-                        checkpoint_every_s=config.replay_checkpoint_every_s if checkpoint_dir
-                        else 0.0)
-
-
-# --- fault tolerance and security ------------------------------------------------------------------
-def check_launch_security(config: SAOConfig, auth_token: Optional[str] = None) -> str:
-    """The auth token to use (`auth_token`, else $SAO_AUTH_TOKEN); raises ConfigError when the
-    variable server would bind a non-loopback address without one."""
-    from sao_actor_learner.config import ConfigError
-    from sao_actor_learner.variables.security import check_bind, resolve_auth_token
-    token = resolve_auth_token(auth_token)
-    try:
-        check_bind(config.bind_host, token, "the variable server")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return token
-
-
-def prepare_run_dir(config: SAOConfig, run_dir: Optional[str] = None) -> None:
-    """A fresh run (resume=False) clears what a resumed one would pick up from run_dir: learner
-    checkpoints and journal, the replay checkpoint, the actors' spools and the variable server's
-    state; only folders this project made (ConfigError naming the flag and folder otherwise,
-    run_dirs.py)."""
-    run_dir = run_dir or config.run_dir
-    if config.resume:
-        _check_resumable(config, run_dir)
-        return
-    clear_fresh_run(config, run_dir)
-
-
-def _check_resumable(config: SAOConfig, run_dir: str) -> None:
-    """--resume: the replay checkpoint brings back its own rate limiter (docs/FACTS.md), so a changed
-    queue capacity would silently not apply; refuse it before anything starts, and the other
-    settings a resumed run cannot change (resume_checks.py)."""
-    from sao_actor_learner.config import ConfigError
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.exists(path):
-        raise ConfigError(f"resume=True but {run_dir!r} holds no config.json: nothing to resume; "
-                          "drop --resume to start a new run there")
-    try:
-        with open(path) as f:
-            previous = SAOConfig.from_json(f.read())
-    except (TypeError, ValueError):   # written by another version of the config: can't compare
-        return
-    if config.replay_checkpoints and \
-            previous.effective_queue_capacity != config.effective_queue_capacity:
-        raise ConfigError(
-            f"resume=True with queue capacity {config.effective_queue_capacity} (queue_capacity="
-            f"{config.queue_capacity}, batch_size={config.batch_size}), but the run in "
-            f"{run_dir!r} used {previous.effective_queue_capacity}: Reverb restores the replay "
-            "checkpoint's rate limiter, so the new capacity would not apply; resume with "
-            f"queue_capacity={previous.effective_queue_capacity}")
-    from sao_actor_learner.resume_checks import check_resumed_settings
-    check_resumed_settings(previous, config, run_dir)   # batch_size, model, ...: refused
-
-
-def launch_options(config: SAOConfig) -> dict:
-    """The `launch()` arguments a config implies: restart policies, bind host, Ray cluster and
-    per-group Ray resources."""
-    from sao_actor_learner import launch as lp
-    from sao_actor_learner.config import parse_ray_resources
-    policy = lp.RestartPolicy(max_restarts=config.max_restarts,
-                              backoff_s=config.restart_backoff_s,
-                              max_backoff_s=max(30.0, config.restart_backoff_s))
-    restart = {group: policy for group in config.restart_groups}
-    if config.learners > 1 and "learner" in restart:   # a group of ranks dies and comes back whole
-        restart["learner"] = dataclasses.replace(policy, together=True)
-        restart["learner_store"] = policy   # a fresh store: the ranks fail and re-join it
-    options = {"restart": restart, "bind_host": config.bind_host,
-               "service_timeout_s": config.service_timeout_s}
-    if config.launch == "ray":
-        options["ray_address"] = config.ray_address or None
-        options["resources"] = parse_ray_resources(config.ray_resources)
-    from sao_actor_learner.config.sections import PROGRAM_GROUPS
-    from sao_actor_learner.launch.placement import placement_launch_options
-    options.update(placement_launch_options(config.placement, config.launch, PROGRAM_GROUPS))
-    return options
-
-
-def _tls_files(config: SAOConfig):
-    """(certificate bytes, key bytes) of the variable server's TLS, or (None, None)."""
-    if not config.tls_cert:
-        return None, None
-    from sao_actor_learner.variables.security import read_file_bytes
-    return (read_file_bytes(config.tls_cert, "tls_cert"), read_file_bytes(config.tls_key,
-                                                                         "tls_key"))
-
-
-def _variables_client_security(config: SAOConfig, auth_token: str) -> dict:
-    """VariableClient / VariablePublisher keyword arguments for the auth token and TLS."""
-    cert, _ = _tls_files(config)
-    return {"auth_token": auth_token, "tls_root_cert": cert}
-
-
-def _server_keep_versions(config: SAOConfig) -> int:
-    """Versions the variable server keeps fetchable by number."""
-    return config.forced_staleness + 2 if config.forced_staleness >= 0 else 2
-
-
-def _publisher_shm(config: SAOConfig, run_dir: str) -> dict:
-    """VariablePublisher keyword arguments for shared-memory publishes (none with
-    weight_transport=grpc). The writer keeps one file more than the server keeps versions, so
-    every version the server can still name has its file."""
-    if config.weight_transport == "grpc":
-        return {}
-    return {"shm_dir": config.weight_shm_dir, "shm_run_name": os.path.basename(
-        os.path.normpath(run_dir)) or "run", "shm_keep_versions": _server_keep_versions(config) + 1}
-
-
-def make_variable_server(config: SAOConfig, publisher_token: str, port: int = 0,
-                         auth_token: str = "", run_dir: Optional[str] = None):
-    from sao_actor_learner.variables import SafetensorsValidator, VariableServer
-    from sao_actor_learner.variables.shm import writer_root
-    forced = config.forced_staleness >= 0
-    # Forced staleness k: admission lets actors start exactly one batch per version (eta 0), and
-    # the server keeps the k older versions they generate with. It binds config.bind_host
-    # (non-loopback needs the auth token), optional TLS, and every published version is
-    # checked (names, dtypes, shapes pinned by version 0, finite values) before any client can
-    # fetch it.
-    cert, key = _tls_files(config)
-    # Shared-memory publishes may name files in the learner's writer directory only.
-    shm_root = None if config.weight_transport == "grpc" else writer_root(config.weight_shm_dir)
-    return VariableServer(port=port, batch_size=config.batch_size,
-                          max_staleness=0 if forced else config.max_staleness,
-                          admission_control=config.admission_control,
-                          publisher_token=publisher_token,
-                          keep_versions=_server_keep_versions(config), shm_root=shm_root,
-                          host=config.bind_host, auth_token=auth_token,
-                          tls_cert_chain=cert, tls_private_key=key,
-                          validate_payload=SafetensorsValidator(),
-                          state_path=os.path.join(make_owned_dir(variables_state_dir(
-                              run_dir or config.run_dir)), "state.json"))
-
-
 def make_task(config: SAOConfig, actor_id: int = 0, tokenizer=None):
     """The task; actors get disjoint prompt ids (offset = actor id, stride = number of actors).
     `tokenizer` is the model's (the dataset task encodes its prompts with it)."""
@@ -309,6 +168,7 @@ def assemble_learner(config: SAOConfig, policy, critic=None, source=None, *, pub
                    checkpoint_every=config.checkpoint_every, publisher=publisher,
                    serialize=serialize, logger=logger, checkpoint_root=checkpoint_root,
                    tokenizer=tokenizer, keep_checkpoints=config.keep_checkpoints, pad_id=pad_id,
+                   journal_max_bytes=config.journal_max_mb << 20,
                    collective=collective, evaluation=evaluation)
 
 
@@ -352,19 +212,24 @@ def _build_learner(config: SAOConfig, replay_address: str, variables_address: st
     from sao_actor_learner.learner import distributed
     from sao_actor_learner.learner import journal as journal_lib
     from sao_actor_learner.models import checkpoint as ckpt
-    from sao_actor_learner.observers import MetricsLogger
+    from sao_actor_learner.models import lora
+    from sao_actor_learner.observers.trackers import make_metrics_logger
     from sao_actor_learner.variables import VariablePublisher
 
     collective = collective or distributed.SINGLE
     run_dir = run_dir or config.run_dir
     root = os.path.join(run_dir, "checkpoints")
     resume = journal_lib.ResumePoint(root, rank=collective.rank)
-    policy, tokenizer = ckpt.load_policy(resume.checkpoint or config.model)
+    lora_spec = lora.LoraSpec.from_config(config)
+    # With LoRA the base weights always come from --model, the adapters from the checkpoint.
+    policy, tokenizer = ckpt.load_policy(config.model if lora_spec else
+                                         resume.checkpoint or config.model)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     policy.to(device)
     # A resumed learner's critic weights come from its checkpoint (resume.restore).
     critic = make_critic(config, policy, collective)
+    lora.prepare_learner_policy(policy, lora_spec, resume.checkpoint, config.model)
     from sao_actor_learner.models.value import base_model_of
     distributed.prepare_module(policy, config.learner_strategy, collective,
                                layers=getattr(base_model_of(policy), "layers", ()))
@@ -373,11 +238,11 @@ def _build_learner(config: SAOConfig, replay_address: str, variables_address: st
         source=resume.reader(lambda on_fetched: _learner_reader(
             config, replay_address, on_fetched, rollout_secret, tokenizer.vocab_size)),
         publisher=VariablePublisher(variables_address, publisher_token,
-                                    **_variables_client_security(config, auth_token),
-                                    **_publisher_shm(config, run_dir))
+                                    **variables_client_security(config, auth_token),
+                                    **publisher_shm(config, run_dir))
         if collective.is_main else None,
         serialize=ckpt.state_dict_to_buffers,   # streamed without a joined copy
-        logger=MetricsLogger(run_dir, "learner") if collective.is_main else None,
+        logger=make_metrics_logger(config, run_dir, "learner") if collective.is_main else None,
         tokenizer=tokenizer, checkpoint_root=root,
         token_limit=ckpt.token_limit(policy, tokenizer), pad_id=tokenizer.pad_id,
         collective=collective,
@@ -394,9 +259,11 @@ def _learner_reader(config: SAOConfig, replay_address: str, on_fetched, rollout_
     (`on_fetched`) as soon as it has it."""
     from sao_actor_learner.replay import RolloutReader
     from sao_actor_learner.replay.validation import RolloutSigner, RolloutVerifier
+    from sao_actor_learner.replay.loss import loss_detector
     verifier = RolloutVerifier(RolloutSigner(rollout_secret), vocab_size,
                                config.max_sequence_length)
-    return RolloutReader(replay_address, on_fetched=on_fetched, verifier=verifier)
+    return RolloutReader(replay_address, on_fetched=on_fetched, verifier=verifier,
+                         loss_detector=loss_detector(config.replay_loss_timeout_s, config.learners))
 
 
 class LearnerRank(core.Worker):
@@ -489,7 +356,7 @@ def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_
         actor_id, task, engine,
         variables=VariableClient(variables_address, config.variable_update_period_s,
                                  weight_transport=config.weight_transport,
-                                 **_variables_client_security(config, auth_token)),
+                                 **variables_client_security(config, auth_token)),
         sink=RolloutWriter(replay_address, max_sequence_length=config.max_sequence_length,
                            vocab_size=engine.tokenizer.vocab_size, signer=signer),
         decode=ckpt.bytes_to_state_dict_views,  # engines copy them into the model
@@ -517,8 +384,21 @@ def make_evaluator(config: SAOConfig, variables_address: str, run_dir: Optional[
                       variables=VariableClient(variables_address,
                                                config.variable_update_period_s,
                                                weight_transport=config.weight_transport,
-                                               **_variables_client_security(config, auth_token)),
+                                               **variables_client_security(config, auth_token)),
                       decode=ckpt.bytes_to_state_dict_views)  # no copy
+
+
+def make_version_recorder(config: SAOConfig, variables_address: str,
+                          run_dir: Optional[str] = None, auth_token: str = ""):
+    """The recorder node (evaluator=record): due versions written for evaluation later."""
+    setup_process(config, offset=20_000)
+    from sao_actor_learner.actors.version_recorder import VersionRecorder
+    from sao_actor_learner.variables import VariableClient
+    client = VariableClient(variables_address, config.variable_update_period_s,
+                            weight_transport=config.weight_transport,
+                            **variables_client_security(config, auth_token))   # no decode
+    return VersionRecorder(client, run_dir or config.run_dir, config.eval_every,
+                           config.max_steps)
 
 
 def make_in_learner_evaluation(config: SAOConfig, run_dir: Optional[str] = None):
@@ -532,7 +412,7 @@ def make_in_learner_evaluation(config: SAOConfig, run_dir: Optional[str] = None)
 
 def _evaluator(config: SAOConfig, run_dir: Optional[str], variables, decode):
     from sao_actor_learner.actors.evaluator import Evaluator
-    from sao_actor_learner.observers import MetricsLogger
+    from sao_actor_learner.observers.trackers import make_metrics_logger
 
     engine = make_engine(config, role="evaluator", run_dir=run_dir)
     task = make_task(config, tokenizer=engine.tokenizer)
@@ -543,7 +423,7 @@ def _evaluator(config: SAOConfig, run_dir: Optional[str], variables, decode):
                      pass_k=config.eval_pass_k,
                      sample_params=sampling_params(config, stop_ids=engine.tokenizer.stop_ids),
                      eval_every=config.eval_every, max_steps=config.max_steps,
-                     logger=MetricsLogger(run_dir or config.run_dir, "evaluator"),
+                     logger=make_metrics_logger(config, run_dir, "evaluator"),
                      max_turns=config.max_turns, max_total_tokens=config.max_sequence_length,
                      env_threads=config.env_threads)
 
@@ -557,45 +437,52 @@ def make_program(config: SAOConfig, run_dir: Optional[str] = None, actor_factory
     """The SAO program: replay, variable server, learner, N actors, evaluator (a node only with
     config.evaluator="node").
 
-    Nodes are wired only through handles. Two secrets are made here: the publisher token, given
-    to the variable server and the learner alone (only the learner can publish weights), and
-    the rollout secret, given to the actors and the learner alone (actors sign every rollout
-    with it, the learner trains on nothing unsigned). Neither is written to config.json or logs.
+    Nodes are wired only through handles. Secrets (credentials.py): the learner token (the
+    variable server and the learner alone: only the learner publishes or reports progress) and
+    the rollout secret (the actors and the learner alone: the learner trains on nothing
+    unsigned); neither is written to config.json or logs. With config.groups only those groups
+    run here, and the services run elsewhere are reached at config.service_addresses.
     actor_factory: replaces `make_actor` (same arguments), e.g. to wrap the engine.
     auth_token: the shared secret every variable-server call must carry (None: $SAO_AUTH_TOKEN,
       "" for none); required when config.bind_host is not a loopback address (ConfigError).
     """
     from sao_actor_learner import launch as lp
+    from sao_actor_learner.credentials import launch_credentials
+    from sao_actor_learner.split_launch import LaunchPart
 
     run_dir = run_dir or config.run_dir
-    auth = check_launch_security(config, auth_token)
-    secure = {"auth_token": auth} if auth else {}   # only factories that need it take it
-    token = secrets.token_hex(16)
-    signed = {"rollout_secret": secrets.token_hex(32)}
+    credentials = launch_credentials(config, auth_token)
+    secure = {"auth_token": credentials.auth_token} if credentials.auth_token else {}
+    token, signed = credentials.learner_token, {"rollout_secret": credentials.rollout_secret}
+    part = LaunchPart(config)   # a service run elsewhere is its address: nodes take either
+    replay, variables, store = part.remote("replay"), part.remote("variables"), None
     program = lp.Program("sao")
-    with program.group("replay"):
-        replay = program.add_node(lp.ServiceNode(make_replay_server, config, run_dir=run_dir))
-    with program.group("variables"):
-        variables = program.add_node(lp.ServiceNode(make_variable_server, config, token,
-                                                    run_dir=run_dir, **secure))
-    store = None
-    if config.learners > 1:   # the learner group's rendezvous (its own group: no GPU of its own)
+    if part.runs("replay"):
+        with program.group("replay"):
+            replay = program.add_node(lp.ServiceNode(make_replay_server, config, run_dir=run_dir))
+    if part.runs("variables"):
+        with program.group("variables"):
+            variables = program.add_node(lp.ServiceNode(make_variable_server, config, token,
+                                                        run_dir=run_dir, **secure))
+    if config.learners > 1 and part.runs("learner_store"):   # the group's rendezvous
         with program.group("learner_store"):
             store = program.add_node(lp.ServiceNode(make_learner_group_store, config))
     with program.group("learner"):
-        if config.learners == 1:
+        if config.learners == 1 and part.runs("learner"):
             program.add_node(lp.PyNode(make_learner, config, replay, variables, token, run_dir,
                                        **secure, **signed))
-        else:   # one node per rank
+        elif part.runs("learner"):   # one node per rank
             for rank in range(config.learners):
                 program.add_node(lp.PyNode(make_learner, config, replay, variables, token,
                                            run_dir, rank=rank, group_address=store, **secure,
                                            **signed))
     with program.group("actor"):
-        for i in range(config.num_actors):
+        for i in part.actor_ids:
             program.add_node(lp.PyNode(actor_factory or make_actor, config, i, replay, variables,
                                        run_dir, **secure, **signed))
-    if config.evaluator == "node":   # in_learner: the learner evaluates; off: nothing does
+    if config.evaluator in ("node", "record") and part.runs("evaluator"):   # else: learner, none
         with program.group("evaluator"):
-            program.add_node(lp.PyNode(make_evaluator, config, variables, run_dir, **secure))
+            program.add_node(lp.PyNode(make_evaluator if config.evaluator == "node"
+                                       else make_version_recorder, config, variables, run_dir,
+                                       **secure))
     return program

@@ -318,6 +318,11 @@ class RolloutSource(abc.ABC):
         (the journal's job); returns commit()'s result."""
         return commit()
 
+    def journal_bytes(self) -> int:
+        """Bytes journalled since the newest checkpoint (0: no journal); the learner writes a
+        checkpoint once they pass its journal limit, so the journal stays bounded."""
+        return 0
+
     @property
     def replaying(self) -> bool:
         """Whether rollouts of a crashed predecessor are still being handed back."""
@@ -335,7 +340,9 @@ class RolloutSource(abc.ABC):
 
     @property
     def interruptions(self) -> int:
-        """How often the stream from replay broke (rollouts in transit may be lost)."""
+        """How often the stream from replay broke (rollouts in transit may be lost) or items
+        left the table without reaching this source (another client took them; replay/loss.py):
+        each starts a loss epoch."""
         return 0
 
     def close(self) -> None:

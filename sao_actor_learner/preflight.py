@@ -10,13 +10,18 @@ need the model's tokenizer or architecture (which import torch and transformers,
 launcher would keep for the whole run) run in a short-lived subprocess (`python -m
 sao_actor_learner.preflight`, the config as JSON on stdin):
   - the critic's frozen-parameter patterns each match a parameter of the critic's body;
+  - LoRA (lora_rank > 0): peft is installed and each --lora_target_modules pattern matches a
+    linear layer of the model (empty: the architecture has default targets);
   - the tokenizer fits the model (no more ids than the model has rows);
   - task=dataset: the reward spec imports with the right signature, every dataset row is
     well-formed, prompts render (chat template) and fit max_prompt_length (over-long ones are
     counted; none left is an error).
+Each `--tracker` must import (else the error names its pip extra) and be able to start
+(observers/trackers.check_trackers); the packages of trackers not chosen are never imported.
 The subprocess runs only when such a check applies: a dataset task, a model directory that is
 not one of this project's char-level checkpoints (their architecture is the factory's, whose
-names the default patterns are tested against), a critic directory, or non-default patterns.
+names the default patterns are tested against), a critic directory, non-default patterns, or
+LoRA.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from typing import Dict
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.models.model_dir import (CHAR_TOKENIZER_FILE, ModelDirError,
                                                 check_critic_dir, check_model_dir)
+from sao_actor_learner.observers.trackers import check_trackers
 from sao_actor_learner.run_dirs import check_fresh_run
 
 DEFAULT_FROZEN_PATTERNS = SAOConfig.__dataclass_fields__["critic_frozen_patterns"].default
@@ -45,7 +51,7 @@ def needs_model_checks(config: SAOConfig) -> bool:
     """Whether the subprocess checks apply (see the module docstring)."""
     char_checkpoint = os.path.exists(os.path.join(config.model, CHAR_TOKENIZER_FILE))
     return (config.task == "dataset" or not char_checkpoint or bool(config.critic_model) or
-            (config.algorithm == "sao" and
+            config.lora_rank > 0 or (config.algorithm == "sao" and
              tuple(config.critic_frozen_patterns) != tuple(DEFAULT_FROZEN_PATTERNS)))
 
 
@@ -53,6 +59,7 @@ def check_before_launch(config: SAOConfig) -> Dict:
     """Raises ConfigError naming what to change; returns what the checks measured (dataset
     row counts, over-long prompts left out)."""
     check_fresh_run(config)   # a fresh run deletes only folders this project made
+    check_trackers(config)    # each --tracker imports (else: the pip extra) and can start
     try:
         check_model_dir(config.model, "--model")
     except ModelDirError as e:
@@ -108,9 +115,26 @@ def model_checks(config: SAOConfig) -> Dict:
             match_frozen_patterns(config.critic_frozen_patterns, critic_parameter_names(source))
         except ValueError as e:
             raise ConfigError(f"{e} (critic from {source!r}; --critic_frozen_patterns)") from None
+    if config.lora_rank > 0:
+        stats["lora_target_modules"] = len(lora_checks(config))
     if config.task == "dataset":
         stats.update(dataset_checks(config, tokenizer))
     return stats
+
+
+def lora_checks(config: SAOConfig):
+    """LoRA: peft installed, every target pattern matches a linear layer of the model (or the
+    architecture has default targets); the adapted module names."""
+    from sao_actor_learner.models.lora import check_target_patterns
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"--lora_rank={config.lora_rank} needs the peft package: "
+                          "pip install -e '.[lora]' (make venv installs it)") from None
+    try:
+        return check_target_patterns(config.model, config.lora_target_modules)
+    except ValueError as e:
+        raise ConfigError(f"{e} (--model={config.model!r}; --lora_target_modules)") from None
 
 
 def dataset_checks(config: SAOConfig, tokenizer) -> Dict:

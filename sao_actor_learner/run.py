@@ -10,6 +10,7 @@ from typing import Dict, Optional
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.observers import read_metrics, write_json_atomic
 from sao_actor_learner.preflight import check_before_launch
+from sao_actor_learner.split_launch import RemoteTraining, runs_remote_learner
 
 
 def _progress_line(config: SAOConfig, run_dir: str, t0: float) -> str:
@@ -33,7 +34,7 @@ def summarize(config: SAOConfig, run_dir: str, wall_time_s: float,
     train = read_metrics(run_dir, "train")
     evals = {r["policy_version"]: r["eval_accuracy"] for r in read_metrics(run_dir, "eval")}
     actors = []
-    for i in range(config.num_actors):
+    for i in range(config.first_actor_id, config.first_actor_id + config.num_actors):
         p = os.path.join(run_dir, f"actor_{i}_stats.json")
         if os.path.exists(p):
             with open(p) as f:
@@ -124,16 +125,18 @@ def run_program(config: SAOConfig, make_program, progress: bool = True,
     return at once (start a thread) or run until done.
     """
     from sao_actor_learner import launch as lp
-    from sao_actor_learner.builder import check_launch_security, launch_options, prepare_run_dir
+    from sao_actor_learner.builder import launch_options, prepare_run_dir
+    from sao_actor_learner.credentials import check_launch_security
 
     preflight = check_before_launch(config)
-    check_launch_security(config)   # a non-loopback bind needs an auth token
+    check_launch_security(config)   # beyond loopback: the auth token and TLS (credentials.py)
     run_dir = config.run_dir
     os.makedirs(run_dir, exist_ok=True)
     prepare_run_dir(config, run_dir)   # a fresh run clears checkpoints, journal, spools
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(metrics) and not config.resume:
-        os.remove(metrics)  # a fresh run; --resume appends
+    for part in (metrics, metrics + ".1"):   # and its rotated part (observers/metrics.py)
+        if os.path.exists(part) and not config.resume:
+            os.remove(part)  # a fresh run; --resume appends
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         f.write(config.to_json())
     node_env = {"OMP_NUM_THREADS": str(config.threads_per_process), "TF_CPP_MIN_LOG_LEVEL": "2",
@@ -145,20 +148,25 @@ def run_program(config: SAOConfig, make_program, progress: bool = True,
         node_env = {**lite_env(), **node_env}   # set before each node's interpreter starts
     t0 = time.time()
     program = make_program(config)
+    remote = RemoteTraining(config) if runs_remote_learner(config) else None   # split_launch.py
     launched = lp.launch(program, launch_type=config.launch, run_dir=run_dir,
-                         terminal_groups=terminal_groups, env=node_env,
+                         terminal_groups=None if remote else terminal_groups, env=node_env,
                          **launch_options(config))   # restarts, bind host, Ray
     try:
         if on_launch is not None:
             on_launch(launched)
         while True:
-            if launched.wait(timeout=2.0):
-                break
+            if launched.wait(timeout=2.0 if remote is None else 0.25):   # remote: its last
+                break                                                       # report is brief
+            if remote is not None and remote.finished():
+                launched.stop()   # the actors of a launch without the learner: it is done
             if progress:
                 sys.stdout.write("\r" + _progress_line(config, run_dir, t0))
                 sys.stdout.flush()
     finally:
         launched.stop()
+        if remote is not None:
+            remote.close()
     if progress:
         sys.stdout.write("\r" + _progress_line(config, run_dir, t0) + "\n")
     summary = summarize(config, run_dir, time.time() - t0, preflight)

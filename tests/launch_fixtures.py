@@ -149,9 +149,14 @@ def make_failing(message: str, n_lines: int = 50, delay_s: float = 0.0) -> Faili
 
 
 class Stubborn(Worker):
-    """Ignores stop(): only a kill ends it."""
+    """Ignores stop(): only a kill ends it. Touches `marker_path` (if given) once running."""
+
+    def __init__(self, marker_path: Optional[str] = None) -> None:
+        self.marker_path = marker_path
 
     def run(self) -> None:
+        if self.marker_path:
+            open(self.marker_path, "w").close()
         while True:
             time.sleep(0.05)
 
@@ -159,8 +164,27 @@ class Stubborn(Worker):
         print("stubborn: ignoring stop", flush=True)
 
 
-def make_stubborn() -> Stubborn:
-    return Stubborn()
+def make_stubborn(marker_path: Optional[str] = None) -> Stubborn:
+    return Stubborn(marker_path)
+
+
+class WaitsForFile(Worker):
+    """Returns once `path` exists (e.g. another node's marker: it is running)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not os.path.exists(self.path) and not self._stop.wait(0.02):
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def make_waits_for_file(path: str) -> WaitsForFile:
+    return WaitsForFile(path)
 
 
 class LeavesAThread(Forever):

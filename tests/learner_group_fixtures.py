@@ -27,6 +27,8 @@ def run_rank(rank, world_size, address, overrides, out_path):
                           **overrides})
     policy = t.tiny_policy(0).to(device)
     critic = make_critic(config, policy, collective)   # before the policy is sharded
+    from sao_actor_learner.models import lora                 # after the critic's copy
+    lora.prepare_learner_policy(policy, lora.LoraSpec.from_config(config), None)
     distributed.prepare_module(policy, config.learner_strategy, collective,
                                layers=base_model_of(policy).layers)
     learner = assemble_learner(config, policy, critic, collective=collective)

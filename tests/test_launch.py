@@ -222,14 +222,16 @@ def test_local_mp_failure_raises_with_log_tail_and_stops_the_rest(tmp_path):
 
 def test_local_mp_stop_ignoring_node_is_killed_after_notice(tmp_path):
     program = lp.Program("stubborn")
-    program.add_node(lp.PyNode(fx.make_sleeper, 0.2))
-    program.add_node(lp.PyNode(fx.make_stubborn))
+    running = str(tmp_path / "stubborn_running")
+    # The terminal node ends once the stubborn one runs (a stop before run() would be obeyed).
+    program.add_node(lp.PyNode(fx.make_waits_for_file, running))
+    program.add_node(lp.PyNode(fx.make_stubborn, running))
     t0 = time.monotonic()
-    launched = lp.launch(program, run_dir=str(tmp_path), terminal_groups=("sleeper",),
+    launched = lp.launch(program, run_dir=str(tmp_path), terminal_groups=("waits_for_file",),
                          notice_s=0.5)
     pids = _child_pids(launched)
     assert launched.wait(timeout=30) is True
-    assert launched.statuses == {"sleeper": ["finished"], "stubborn": ["killed"]}
+    assert launched.statuses == {"waits_for_file": ["finished"], "stubborn": ["killed"]}
     assert launched.exitcodes["stubborn"] == [-signal.SIGTERM]
     assert not [p for p in pids if fx.pid_alive(p)]
     assert time.monotonic() - t0 < 10

@@ -63,7 +63,8 @@ def test_a_resolved_config_never_applies_its_profile_again():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(profile="fast"), "profile='fast': must be one of lean"),
     (dict(critic="tiny"), "critic='tiny': must be one of separate, shared_trunk"),
-    (dict(evaluator="thread"), "evaluator='thread': must be one of node, in_learner, off"),
+    (dict(evaluator="thread"),
+     "evaluator='thread': must be one of node, in_learner, record, off"),
     (dict(critic="shared_trunk", algorithm="grpo", group_size=2, actor_batch=8),
      "only sao has a critic"),
     (dict(critic="shared_trunk", critic_model="/tmp/critic"), "drop --critic_model"),

@@ -47,13 +47,15 @@ def run_group(overrides, tmp_path, world_size=2):
     dict(learner_strategy="fsdp2"),
     dict(learner_strategy="ddp", critic="shared_trunk"),
     dict(learner_strategy="fsdp2", critic="shared_trunk"),
-], ids=["ddp", "ddp-micro-critic_free", "fsdp2", "ddp-shared_trunk", "fsdp2-shared_trunk"])
+    dict(learner_strategy="ddp", lora_rank=4, policy_lr=1e-2),
+], ids=["ddp", "ddp-micro-critic_free", "fsdp2", "ddp-shared_trunk", "fsdp2-shared_trunk",
+        "ddp-lora"])
 def test_a_two_rank_step_equals_the_single_process_whole_batch_step(overrides, tmp_path):
     group = run_group(overrides, tmp_path)
     single = t.learner_for(**{k: v for k, v in overrides.items() if k != "learner_strategy"},
                            batch_size=8, actor_batch=8)
     stats = single.update(collate(lg.group_batch(single)))
-    for name, tensor in single.policy.state_dict().items():
+    for name, tensor in distributed.full_state_dict(single.policy).items():   # LoRA: merged
         diff = float((group["policy"][name].double() - tensor.double()).norm())
         assert diff <= 1e-5 * float(tensor.double().norm()) + 1e-12, (name, diff)
     if single.estimator.has_critic:

@@ -19,6 +19,7 @@ from sao_actor_learner.config import SAOConfig
 from sao_actor_learner.engines.torch_engine import TorchEngine
 from sao_actor_learner.learner import losses
 from sao_actor_learner.learner.minibatches import pack_by_tokens
+from sao_actor_learner.models import lora
 from sao_actor_learner.types import Rollout, collate
 
 V = 24
@@ -34,8 +35,9 @@ def tiny_policy(seed=0):
 def learner_for(source=None, seed=0, **overrides):
     config = SAOConfig(**{"batch_size": 6, "actor_batch": 6, "max_steps": 3, **overrides})
     policy = tiny_policy(seed)
-    return assemble_learner(config, policy, make_critic(config, policy), source,
-                            serialize=lambda sd: b"")
+    critic = make_critic(config, policy)
+    lora.prepare_learner_policy(policy, lora.LoraSpec.from_config(config), None)   # lora_rank
+    return assemble_learner(config, policy, critic, source, serialize=lambda sd: b"")
 
 
 def rollouts(n=6, seed=0, version=0, noise=0.5, lengths=(3, 17)):

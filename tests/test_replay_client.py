@@ -46,6 +46,7 @@ def test_table_info_decoding_matches_reverbs_own(server):
         assert ours.max_size == theirs.max_size == 12
         assert ours.samples_per_insert == theirs.rate_limiter_info.samples_per_insert == 1.0
         assert ours.max_diff == theirs.rate_limiter_info.max_diff == 12.0
+        assert ours.inserts == theirs.rate_limiter_info.insert_stats.completed == 5
         assert ours.insert_capacity == 12
     status = client.table_status("rollouts")
     assert (status.current_size, status.insert_capacity) == (5, 12)

@@ -49,7 +49,7 @@ def weights(seed=0, scale=1.0, **changes):
 @pytest.fixture
 def server():
     srv = VariableServer(publisher_token=PUB, auth_token=AUTH, batch_size=2, max_staleness=1,
-                         validate_payload=SafetensorsValidator()).start()
+                         validate_payload=SafetensorsValidator(), bound_progress=False).start()
     yield srv
     srv.stop(grace_s=0.1)
 
@@ -146,21 +146,24 @@ def test_binding_beyond_loopback_requires_a_token(tmp_path):
         VariableServer(host="0.0.0.0")
     with pytest.raises(ValueError, match="at least 16"):
         VariableServer(host="0.0.0.0", auth_token="short")
-    with VariableServer(host="0.0.0.0", auth_token=AUTH, publisher_token=PUB) as srv:
+    with VariableServer(host="0.0.0.0", auth_token=AUTH, publisher_token=PUB,
+                        insecure_transport=True) as srv:   # TLS: test_transport_security.py
         local = f"127.0.0.1:{srv.port}"
         with pytest.raises(VariableClientError, match="UNAUTHENTICATED"):
             VariableClient(local).admit("a", 1)
         assert VariableClient(local, auth_token=AUTH).latest_info().version == -1
 
     # The program refuses before anything starts: config, run_dir, processes.
-    config = SAOConfig(bind_host="0.0.0.0", run_dir=str(tmp_path / "run"))
+    config = SAOConfig(bind_host="0.0.0.0", run_dir=str(tmp_path / "run"),
+                       insecure_transport=True)
     with pytest.raises(ConfigError, match="auth token"):
         make_program(config, auth_token="")
     assert make_program(config, auth_token=AUTH).groups["variables"][0].kwargs == {
         "auth_token": AUTH, "run_dir": str(tmp_path / "run")}
     env = {k: v for k, v in os.environ.items() if k != "SAO_AUTH_TOKEN"}
     proc = subprocess.run([sys.executable, os.path.join(REPO, "programs", "sao.py"),
-                           "--bind_host=0.0.0.0", f"--run_dir={tmp_path / 'run'}"],
+                           "--bind_host=0.0.0.0", "--insecure_transport",
+                           f"--run_dir={tmp_path / 'run'}"],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0 and "auth token" in proc.stderr + proc.stdout
     assert not (tmp_path / "run").exists()

@@ -23,7 +23,8 @@ AUTH = ((PUBLISHER_TOKEN_METADATA_KEY, TOKEN),)
 
 @pytest.fixture
 def server():
-    srv = VariableServer(publisher_token=TOKEN, chunk_bytes=64 << 10, keep_versions=2).start()
+    srv = VariableServer(publisher_token=TOKEN, chunk_bytes=64 << 10, keep_versions=2,
+                         bound_progress=False).start()   # credit without actors admitted
     yield srv
     srv.stop(grace_s=0.1)
 
@@ -400,7 +401,8 @@ def test_worker_run_and_stop():
 
 
 def test_republishing_the_current_version_only_refreshes_admission_credit():
-    with VariableServer(batch_size=2, max_staleness=0, publisher_token=TOKEN) as server:
+    with VariableServer(batch_size=2, max_staleness=0, publisher_token=TOKEN,
+                        bound_progress=False) as server:   # credit beyond the grants
         publisher = VariablePublisher(server.address, TOKEN)
         client = VariableClient(server.address)
         publisher.publish(0, b"w0", dropped_total=0)

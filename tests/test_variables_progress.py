@@ -25,7 +25,10 @@ def _free_port():
 
 @pytest.fixture
 def server():
-    srv = VariableServer(batch_size=2, max_staleness=1, publisher_token=TOKEN).start()
+    # These tests are of the merge rules, with no actors: reports are not bounded by admission
+    # (test_transport_security.py tests the bound).
+    srv = VariableServer(batch_size=2, max_staleness=1, publisher_token=TOKEN,
+                         bound_progress=False).start()
     yield srv
     srv.stop(grace_s=0.1)
 
@@ -127,7 +130,8 @@ def _grant_all(client, actors):
 
 def test_admission_state_survives_a_stop_and_restart(tmp_path):
     path = str(tmp_path / "admission.json")
-    kwargs = dict(batch_size=2, max_staleness=1, publisher_token=TOKEN, state_path=path)
+    kwargs = dict(batch_size=2, max_staleness=1, publisher_token=TOKEN, state_path=path,
+                  bound_progress=False)
     with VariableServer(**kwargs) as old:
         client, publisher = VariableClient(old.address), VariablePublisher(old.address, TOKEN)
         publisher.publish(2, b"w2")
@@ -168,7 +172,7 @@ def test_unreadable_state_files_are_refused(tmp_path):
 
 def _serve(port, state_path, ready):
     server = VariableServer(port=port, batch_size=2, max_staleness=1, publisher_token=TOKEN,
-                            state_path=state_path).start()
+                            bound_progress=False, state_path=state_path).start()
     ready.set()
     server.run()
 
@@ -198,7 +202,7 @@ def test_admission_state_survives_sigkill_of_the_server_process(tmp_path):
         client.admit("0", 1, timeout_s=0.5)
     assert e.value.retryable
     with VariableServer(port=port, batch_size=2, max_staleness=1, publisher_token=TOKEN,
-                        state_path=path) as new:
+                        bound_progress=False, state_path=path) as new:
         stats = new.stats()
         assert stats["started_by_actor"] == grants
         assert stats["started_total"] == last.started_total == sum(grants.values()) - 1

@@ -10,6 +10,7 @@
 # 2. programs/benchmarks/learner_step.py on a Qwen3-0.6B-shaped random-init model in bf16,
 #    batch 8 x 1024 tokens, micro-batches of 0 (whole batch) and 4096 tokens: step time,
 #    tokens/s, peak memory, MFU against the H200's 989 TFLOP/s dense bf16;
+#    then packed vs padded micro-batches (micro_batch_layout) on the gsm_tiny length mix;
 # 3. the kernel benchmarks (programs/benchmarks/kernels.py, the full grid);
 # 4. the data-parallel path on NCCL with every visible GPU as a rank: tests/test_learner_group.py
 #    's equality of a 2-rank DDP / FSDP2 step with the single-process step (gloo there; NCCL
@@ -45,6 +46,12 @@ echo "== learner step (Qwen3-0.6B shape, bf16)"
 timeout 300 "$PY" programs/benchmarks/learner_step.py --device=cuda --sizes=small,qwen3-0.6b \
     --dtypes=bfloat16 --micro_batch_tokens=0,4096 --batch=8 --seq_len=1024 --steps=3 \
     2>&1 | tee "$OUT/learner_step.log" || status=1
+
+echo "== packed vs padded micro-batches (gsm_tiny length mix, bf16; per-rollout sdpa)"
+timeout 120 "$PY" programs/benchmarks/learner_step.py --device=cuda --sizes=small,25m \
+    --dtypes=bfloat16 --micro_batch_tokens=0 --layouts=padded,packed --batch=32 \
+    --lengths_file=results/learner_step/gsm_tiny_lengths.json --steps=3 \
+    2>&1 | tee "$OUT/learner_step_packing.log" || status=1
 
 echo "== kernel benchmarks"
 timeout 180 "$PY" programs/benchmarks/kernels.py --out_json="$OUT/kernels.json" \

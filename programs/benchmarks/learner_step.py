@@ -15,8 +15,24 @@ utilisation against --peak_tflops (6 x parameters x tokens for the policy, the s
 the critic's passes; attention FLOPs left out).
 
 Sizes: tiny (the arithmetic warm start's shape), small (the GSM-style workload's, 1.4M), 25m,
-150m, qwen3-0.6b (hidden 1024, 28 layers, 16 heads x 128, 8 KV heads, FFN 3072, vocab 151936).
+150m, qwen3-0.6b (hidden 1024, 28 layers, 16 heads x 128, 8 KV heads, FFN 3072, vocab 151936);
+smollm2-135m loads checkpoints/smollm2-135m-instruct (`make real-model`: SmolLM2-135M-Instruct,
+a Llama of 134.5M parameters, 30 layers, hidden 576, vocab 49152) with its pretrained weights.
 The last line printed is one JSON object with every cell.
+
+Packed vs padded micro-batches (config micro_batch_layout, learner/packing.py): --layouts=
+padded,packed runs every cell in both layouts; --lengths_file takes the rollouts' lengths (and
+prompt lengths) from a recorded length mix (programs/benchmarks/rollout_lengths.py; e.g.
+results/learner_step/gsm_tiny_lengths.json, the gsm_tiny warm start's rollouts), --batch of them
+drawn with a fixed seed, instead of --seq_len for every rollout. tokens/s counts real tokens (no
+padding) in both layouts; the "ratios" printed last are packed over padded per cell.
+
+LoRA vs full fine-tuning of the policy (config lora_rank, models/lora.py): --lora_ranks=0,16
+runs every cell with full fine-tuning and rank-16 adapters (the architecture's default targets,
+alpha = 2 x rank; the critic stays a full copy of the base body). Each cell also reports the
+policy step's own seconds (policy_step_s) and the trainable parameters; model MiB includes the
+optimisers' state (Adam's two moments of every trainable parameter), and "lora_ratios" compares
+each rank with rank 0.
 """
 from __future__ import annotations
 
@@ -49,9 +65,12 @@ SIZES = {
                        num_key_value_heads=8, head_dim=128, intermediate_size=3072,
                        vocab_size=151936),
 }
+# Real model directories, loaded with their own weights (a Llama here; `make real-model`).
+MODEL_DIRS = {"smollm2-135m": os.path.join(REPO, "checkpoints", "smollm2-135m-instruct")}
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("sizes", ["tiny", "small", "25m", "qwen3-0.6b"], f"model shapes: {list(SIZES)}")
+flags.DEFINE_list("sizes", ["tiny", "small", "25m", "qwen3-0.6b"],
+                  f"model shapes: {list(SIZES)}, or model directories: {list(MODEL_DIRS)}")
 flags.DEFINE_list("micro_batch_tokens", ["0", "1024"], "micro-batch budgets (0: whole batch)")
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "float32 and/or bfloat16")
 flags.DEFINE_integer("batch", 8, "rollouts per step")
@@ -62,6 +81,15 @@ flags.DEFINE_integer("threads", 2, "torch threads per cell (CPU)")
 flags.DEFINE_float("peak_tflops", 989.0, "the device's dense bf16 peak for MFU (H200: 989)")
 flags.DEFINE_bool("gradient_checkpointing", False, "recompute activations in the backward")
 flags.DEFINE_string("cell", "", "internal: run one cell (size,micro,dtype) and print its JSON")
+flags.DEFINE_list("layouts", ["padded"], "micro-batch layouts to compare: padded and/or packed "
+                  "(config micro_batch_layout)")
+flags.DEFINE_string("lengths_file", "", "a JSON length mix (rollout_lengths.py: lengths and "
+                    "prompt_lengths) the rollouts' lengths are drawn from; empty: every rollout "
+                    "--seq_len tokens")
+flags.DEFINE_string("cell_layout", "padded", "internal: the layout of the --cell run")
+flags.DEFINE_list("lora_ranks", ["0"], "policy LoRA ranks to compare (models/lora.py; the "
+                  "architecture's default targets, alpha = 2 x rank); 0: full fine-tuning")
+flags.DEFINE_integer("cell_lora_rank", 0, "internal: the LoRA rank of the --cell run")
 flags.DEFINE_integer("max_cell_s", 1800, "a cell running longer than this is reported as such")
 
 
@@ -78,27 +106,37 @@ def run_cell(size: str, micro: int, dtype: str) -> dict:
 
     torch.set_num_threads(FLAGS.threads)
     device = torch.device(FLAGS.device)
-    shape = SIZES[size]
+    shape = SIZES.get(size)
     torch.manual_seed(0)
-    policy = Qwen3ForCausalLM(Qwen3Config(**shape, tie_word_embeddings=True,
-                                          max_position_embeddings=max(4096, FLAGS.seq_len)))
+    if size in MODEL_DIRS:   # a real model directory (its own weights; random-init otherwise)
+        from sao_actor_learner.models import load_policy
+        policy = load_policy(MODEL_DIRS[size])[0].train()
+        shape = {"vocab_size": policy.config.vocab_size}
+    else:
+        policy = Qwen3ForCausalLM(Qwen3Config(**shape, tie_word_embeddings=True,
+                                              max_position_embeddings=max(4096, FLAGS.seq_len)))
     policy.to(device)
+    shapes = _rollout_shapes()   # (length, prompt length) per rollout
     config = SAOConfig(batch_size=FLAGS.batch, actor_batch=FLAGS.batch, max_steps=10,
                        micro_batch_tokens=micro, dtype=dtype, fused_logprobs=True,
+                       micro_batch_layout=FLAGS.cell_layout,
                        gradient_checkpointing=FLAGS.gradient_checkpointing,
-                       max_sequence_length=FLAGS.seq_len + 1, max_new_tokens=FLAGS.seq_len // 2)
+                       max_sequence_length=max([FLAGS.seq_len] + [n for n, _ in shapes]) + 1,
+                       max_new_tokens=FLAGS.seq_len // 2)
     critic = ValueModel.from_policy(policy)
     critic.freeze(config.critic_frozen_patterns)
     critic.to(device)
+    if FLAGS.cell_lora_rank:   # after the critic's copy of the body: the critic stays full
+        from sao_actor_learner.models import lora
+        lora.add_adapters(policy, lora.LoraSpec(FLAGS.cell_lora_rank, 2.0 * FLAGS.cell_lora_rank))
     learner = assemble_learner(config, policy, critic)
     rng = np.random.default_rng(0)
     V, L = shape["vocab_size"], FLAGS.seq_len
-    prompt = L // 2
     rollouts = [Rollout(tokens=rng.integers(0, V, size=L), action_mask=[0] * prompt + [1] *
                         (L - prompt), rollout_logp=[0.0] * prompt + [-5.0] * (L - prompt),
                         versions=[-1] * prompt + [0] * (L - prompt),
                         rewards=[0.0] * (L - 1) + [float(i % 2)], prompt_id=i)
-                for i in range(FLAGS.batch)]
+                for i, (L, prompt) in enumerate(shapes)]
     batch = collate(rollouts).to(device)
     params = sum(p.numel() for p in policy.parameters())
     critic_params = sum(p.numel() for p in critic.parameters())
@@ -114,7 +152,7 @@ def run_cell(size: str, micro: int, dtype: str) -> dict:
         base = torch.cuda.memory_allocated()
     else:
         base = _rss_bytes()
-    times = []
+    times, policy_times = [], []
     for i in range(FLAGS.steps + 1):
         t0 = time.perf_counter()
         stats = learner.update(batch)
@@ -122,20 +160,85 @@ def run_cell(size: str, micro: int, dtype: str) -> dict:
             torch.cuda.synchronize()
         if i:
             times.append(time.perf_counter() - t0)
+            policy_times.append(stats["policy_step_s"])
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     step_s = statistics.median(times)
-    tokens = FLAGS.batch * L
+    tokens = sum(n for n, _ in shapes)   # real tokens: padding is not work done
     # policy fwd+bwd (6NP), critic: one no-grad forward (2NP) + K fwd+bwd (6NP each).
     flops = 6 * params * tokens + (2 + 6 * config.critic_updates) * critic_params * tokens
     out = {"size": size, "micro_batch_tokens": micro, "dtype": dtype, "device": FLAGS.device,
            "params": params, "critic_params": critic_params, "batch": FLAGS.batch,
            "seq_len": L, "step_s": step_s, "tokens_per_s": tokens / step_s,
+           "layout": FLAGS.cell_layout, "tokens": tokens,
+           "lora_rank": FLAGS.cell_lora_rank, "policy_step_s": statistics.median(policy_times),
+           "trainable_params": sum(p.numel() for p in policy.parameters() if p.requires_grad),
+           "padded_tokens": len(shapes) * max(n for n, _ in shapes),
+           "lengths_file": FLAGS.lengths_file,
            "peak_above_model_mib": max(peak - base, 0) / 2 ** 20,
            "model_mib": base / 2 ** 20, "policy_loss_finite": bool(np.isfinite(
                stats["policy_loss"])), "gradient_checkpointing": FLAGS.gradient_checkpointing}
     if device.type == "cuda":
         out["mfu"] = flops / step_s / (FLAGS.peak_tflops * 1e12)
+    return out
+
+
+def _rollout_shapes() -> list:
+    """(length, prompt length) of each of the --batch rollouts: --seq_len (half prompt), or
+    drawn from --lengths_file with seed 0 (without replacement when it holds enough)."""
+    if not FLAGS.lengths_file:
+        return [(FLAGS.seq_len, FLAGS.seq_len // 2)] * FLAGS.batch
+    import numpy as np
+    with open(FLAGS.lengths_file) as f:
+        mix = json.load(f)
+    lengths, prompts = mix["lengths"], mix["prompt_lengths"]
+    pick = np.random.default_rng(0).choice(len(lengths), size=FLAGS.batch,
+                                           replace=len(lengths) < FLAGS.batch)
+    return [(int(lengths[i]), min(int(prompts[i]), int(lengths[i]) - 1)) for i in pick]
+
+
+def _ratios(cells: list) -> list:
+    """Packed over padded, per (size, micro-batch budget, dtype) measured in both layouts."""
+    by_key = {}
+    for c in cells:
+        if "error" not in c:
+            by_key.setdefault((c["size"], c["micro_batch_tokens"], c["dtype"],
+                               c.get("lora_rank", 0)), {})[
+                c.get("layout", "padded")] = c
+    out = []
+    for (size, micro, dtype, _), pair in by_key.items():
+        if {"padded", "packed"} <= set(pair):
+            a, b = pair["padded"], pair["packed"]
+            out.append({"size": size, "micro_batch_tokens": micro, "dtype": dtype,
+                        "tokens_per_s_packed_over_padded": b["tokens_per_s"] / a["tokens_per_s"],
+                        "peak_above_model_packed_over_padded":
+                            b["peak_above_model_mib"] / max(a["peak_above_model_mib"], 1e-9)})
+    return out
+
+
+def _lora_ratios(cells: list) -> list:
+    """Each LoRA rank against full fine-tuning (rank 0), per (size, micro-batch budget, dtype,
+    layout) measured both ways."""
+    by_key = {}
+    for c in cells:
+        if "error" not in c:
+            by_key.setdefault((c["size"], c["micro_batch_tokens"], c["dtype"],
+                               c.get("layout", "padded")), {})[c.get("lora_rank", 0)] = c
+    out = []
+    for (size, micro, dtype, layout), by_rank in by_key.items():
+        full = by_rank.get(0)
+        for rank, c in sorted(by_rank.items()):
+            if full is None or not rank:
+                continue
+            out.append({"size": size, "micro_batch_tokens": micro, "dtype": dtype,
+                        "layout": layout, "lora_rank": rank,
+                        "trainable_params": c["trainable_params"],
+                        "step_s_lora_over_full": c["step_s"] / full["step_s"],
+                        "policy_step_s_lora_over_full":
+                            c["policy_step_s"] / full["policy_step_s"],
+                        "model_mib_full": full["model_mib"], "model_mib_lora": c["model_mib"],
+                        "peak_above_model_mib_full": full["peak_above_model_mib"],
+                        "peak_above_model_mib_lora": c["peak_above_model_mib"]})
     return out
 
 
@@ -152,14 +255,21 @@ def main(argv):
         return
     cells = []
     print(f"{'size':<11} {'params':>11} {'micro':>6} {'dtype':>9} {'s/step':>8} "
-          f"{'tokens/s':>9} {'peak above model MiB':>21} {'model MiB':>10}")
+          f"{'tokens/s':>9} {'peak above model MiB':>21} {'model MiB':>10} {'layout':>7} "
+          f"{'lora':>4}")
     for size in FLAGS.sizes:
-        if size not in SIZES:
-            raise SystemExit(f"--sizes: unknown {size!r}; choose from {list(SIZES)}")
-        for micro in FLAGS.micro_batch_tokens:
+        if size not in SIZES and size not in MODEL_DIRS:
+            raise SystemExit(f"--sizes: unknown {size!r}; choose from "
+                             f"{list(SIZES) + list(MODEL_DIRS)}")
+        if size in MODEL_DIRS and not os.path.isdir(MODEL_DIRS[size]):
+            raise SystemExit(f"--sizes={size}: {MODEL_DIRS[size]} is missing: run `make "
+                             "real-model` first")
+        for micro, layout, rank in [(m, la, int(r)) for m in FLAGS.micro_batch_tokens
+                                    for la in FLAGS.layouts for r in FLAGS.lora_ranks]:
             for dtype in FLAGS.dtypes:
                 args = [sys.executable, os.path.abspath(__file__),
-                        f"--cell={size},{int(micro)},{dtype}"] + \
+                        f"--cell={size},{int(micro)},{dtype}", f"--cell_layout={layout}",
+                        f"--cell_lora_rank={rank}"] + \
                     [a for a in sys.argv[1:] if not a.startswith("--cell")]
                 try:
                     proc = subprocess.run(args, capture_output=True, text=True, cwd=REPO,
@@ -168,22 +278,38 @@ def main(argv):
                                                str(FLAGS.threads)})
                 except subprocess.TimeoutExpired:
                     cells.append({"size": size, "micro_batch_tokens": int(micro),
-                                  "dtype": dtype, "error": f"over {FLAGS.max_cell_s} s"})
+                                  "dtype": dtype, "layout": layout, "lora_rank": rank,
+                                  "error": f"over {FLAGS.max_cell_s} s"})
                     continue
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
                 if proc.returncode or not lines:
                     cells.append({"size": size, "micro_batch_tokens": int(micro),
-                                  "dtype": dtype, "error": proc.stderr.strip()[-300:]})
+                                  "dtype": dtype, "layout": layout, "lora_rank": rank,
+                                  "error": proc.stderr.strip()[-300:]})
                     print(f"{size:<11} failed: {proc.stderr.strip()[-200:]}")
                     continue
                 c = json.loads(lines[-1])
                 cells.append(c)
                 print(f"{size:<11} {c['params']:>11,} {c['micro_batch_tokens']:>6} "
                       f"{c['dtype']:>9} {c['step_s']:>8.3f} {c['tokens_per_s']:>9.0f} "
-                      f"{c['peak_above_model_mib']:>21.1f} {c['model_mib']:>10.1f}")
+                      f"{c['peak_above_model_mib']:>21.1f} {c['model_mib']:>10.1f}"
+                      f" {c['layout']:>7} {c['lora_rank']:>4}")
+    ratios = _ratios(cells)
+    lora_ratios = _lora_ratios(cells)
+    for r in lora_ratios:
+        print(f"lora {r['lora_rank']} / full, {r['size']} micro {r['micro_batch_tokens']} "
+              f"{r['dtype']} {r['layout']}: step x{r['step_s_lora_over_full']:.2f}, policy step "
+              f"x{r['policy_step_s_lora_over_full']:.2f}, model + optimizers "
+              f"{r['model_mib_full']:.0f} -> {r['model_mib_lora']:.0f} MiB, peak above it "
+              f"{r['peak_above_model_mib_full']:.0f} -> {r['peak_above_model_mib_lora']:.0f} MiB")
+    for r in ratios:
+        print(f"packed/padded {r['size']} micro {r['micro_batch_tokens']} {r['dtype']}: "
+              f"tokens/s x{r['tokens_per_s_packed_over_padded']:.2f}, peak above model "
+              f"x{r['peak_above_model_packed_over_padded']:.2f}")
     print(json.dumps({"benchmark": "learner_step", "device": FLAGS.device,
                       "batch": FLAGS.batch, "seq_len": FLAGS.seq_len, "threads": FLAGS.threads,
-                      "cells": cells}))
+                      "lengths_file": FLAGS.lengths_file, "cells": cells, "ratios": ratios,
+                      "lora_ratios": lora_ratios}))
 
 
 if __name__ == "__main__":

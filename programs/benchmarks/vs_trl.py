@@ -80,6 +80,8 @@ from typing import Callable, Dict, List, Optional
 from absl import app, flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:   # programs.benchmarks.vs_trl_budget, run as a script
+    sys.path.insert(0, REPO)
 TRL_SCRIPT = os.path.join(REPO, "programs", "benchmarks", "trl_grpo.py")
 SAO_SCRIPT = os.path.join(REPO, "programs", "sao.py")
 
@@ -99,6 +101,11 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
+    from programs.benchmarks.vs_trl_budget import define_budget_flags
+    define_budget_flags()
+    flags.DEFINE_enum("mode", "threshold", ["threshold", "budget"], "threshold: time to "
+                      "--threshold (below); budget: equal wall-clock budgets, accuracy-vs-time "
+                      "curves (programs/benchmarks/vs_trl_budget.py).")
     """The command-line flags (defined only when run as a script: importing the module for its
     pure functions defines nothing)."""
     flags.DEFINE_float("threshold", 0.9, "Held-out greedy accuracy to reach.")
@@ -152,23 +159,45 @@ def define_flags() -> None:
                        "for this long (start-up included) is killed as stalled.")
 
 
-def _side_env() -> Dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+def _side_env(threads: int = 1) -> Dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
             "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def session_cpu_s(sid: int) -> float:
+    """CPU seconds (user + system, with reaped children) of the live processes of session
+    `sid`, from /proc (for runs killed whole: their nodes are never reaped by this process)."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                data = f.read()
+        except OSError:
+            continue
+        fields = data[data.rindex(")") + 2:].split()   # from field 3 (state) on
+        if int(fields[3]) == sid:
+            total += sum(int(x) for x in fields[11:15])   # utime stime cutime cstime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def run_side(cmd: List[str], log_path: str, progress_file: Optional[str] = None,
-             on_tick: Optional[Callable[[int], None]] = None) -> Dict:
+             on_tick: Optional[Callable[[int], None]] = None,
+             stop_when: Optional[Callable[[], bool]] = None, threads: int = 1) -> Dict:
     """Runs one side's process (its own session, so a stuck run is killed whole); returns its
     stdout, launch time, wall and CPU seconds. With `progress_file`, a run whose file has not
     grown for --stall_timeout_s is killed and reported as stalled. `on_tick(pid)` is called
-    every 0.5 s while it runs (pid: the process, also its session's id)."""
+    every 0.5 s while it runs (pid: the process, also its session's id). `stop_when()` true
+    ends the run (its whole session killed; a time budget spent: not an error; its CPU seconds
+    then come from /proc). `threads`: the side's OMP/MKL thread count."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t_launch = time.time()
-    stalled = False
+    stalled = stopped = False
+    session_cpu = 0.0
     with open(log_path, "w") as log, open(log_path + ".stdout", "w+") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_side_env(), stdout=out, stderr=log,
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_side_env(threads), stdout=out, stderr=log,
                                 text=True, start_new_session=True)
         last_size, last_change = -1, time.time()
         try:
@@ -176,6 +205,11 @@ def run_side(cmd: List[str], log_path: str, progress_file: Optional[str] = None,
                 time.sleep(0.5)
                 if on_tick is not None:
                     on_tick(proc.pid)
+                if stop_when is not None:
+                    session_cpu = max(session_cpu, session_cpu_s(proc.pid))
+                    if stop_when():
+                        stopped = True
+                        break
                 now = time.time()
                 if progress_file is not None:
                     size = os.path.getsize(progress_file) if os.path.exists(progress_file) else 0
@@ -192,14 +226,15 @@ def run_side(cmd: List[str], log_path: str, progress_file: Optional[str] = None,
         stdout = out.read()
     wall = time.time() - t_launch
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode != 0:
+    if proc.returncode != 0 and not stopped:
         with open(log_path) as f:
             tail = f.read()[-3000:]
         why = (f"made no progress ({progress_file} unchanged) for {FLAGS.stall_timeout_s:g}s"
                if stalled else f"exited {proc.returncode} after {wall:.0f}s")
         raise RuntimeError(f"{' '.join(cmd[:2])} {why}; log {log_path}:\n{tail}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"stdout": stdout, "t_launch": t_launch, "wall_s": wall, "cpu_s": cpu}
+    return {"stdout": stdout, "t_launch": t_launch, "wall_s": wall,
+            "cpu_s": max(cpu, session_cpu) if stopped else cpu, "stopped": stopped}
 
 
 def _read_jsonl(path: str) -> List[Dict]:
@@ -548,12 +583,16 @@ def main(argv):
         sys.exit(f"--init_checkpoint={FLAGS.init_checkpoint} holds no checkpoint: "
                  + ("`make warm-start`" if FLAGS.workload == "arithmetic"
                     else "`make warm-start-dataset`"))
+    FLAGS.run_root = os.path.abspath(os.path.join(REPO, FLAGS.run_root))
+    if FLAGS.mode == "budget":
+        from programs.benchmarks.vs_trl_budget import main_budget
+        main_budget()
+        return
     if any(float(t) >= FLAGS.threshold for t in FLAGS.also_thresholds):
         raise app.UsageError(f"--also_thresholds={FLAGS.also_thresholds}: each must be below "
                              f"--threshold={FLAGS.threshold} (TRL stops at --threshold)")
     if FLAGS.repeats < 1:
         raise app.UsageError(f"--repeats={FLAGS.repeats}: must be >= 1")
-    FLAGS.run_root = os.path.abspath(os.path.join(REPO, FLAGS.run_root))
     t0 = time.time()
     load_start = os.getloadavg()
 

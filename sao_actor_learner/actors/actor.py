@@ -58,7 +58,8 @@ class Actor(core.Worker):
       params: SamplingParams for training rollouts.
       spool: the actor's RolloutSpool (every rollout is kept there until acknowledged).
       actor_batch: prompts generated together.
-      admission_control: ask the variable server before starting rollouts.
+      admission_control: wait for the variable server's grant before starting rollouts (it
+        is asked either way: its grants bound what progress reports may acknowledge).
       stats_path: where to write this actor's counters (JSON, rewritten every second).
       max_rollouts: stop after generating this many (tests); None: until stop().
       max_turns, max_total_tokens, env_threads: multi-turn episode limits and the threads that
@@ -264,8 +265,9 @@ class Actor(core.Worker):
         holds only if the engine already runs version v, so when the server's version is ahead of
         the engine's, the actor first waits for (and loads) those weights.
         """
-        if not self._admission:
-            return self._actor_batch
+        # Without admission control the server grants every request in full, but the actor
+        # still asks: the grants bound what the learner's reports may acknowledge for it
+        # (variables/progress.beyond_admitted).
         with self._lock:
             owed = self._release_owed
         self._spool.asking(self._actor_batch)
@@ -288,6 +290,8 @@ class Actor(core.Worker):
             self._release_owed -= owed
         self._spool.released(owed)
         self._spool.admitted(decision.granted)
+        if not self._admission:
+            return decision.granted
         if decision.granted and self._forced_staleness >= 0:
             self._variables.wait_for_version(decision.policy_version)
             self._load_version(max(0, decision.policy_version - self._forced_staleness))

@@ -125,6 +125,8 @@ class Evaluator(core.Worker):
 
     def close(self) -> None:
         self._task.close()
+        if self._logger is not None:
+            self._logger.close()   # its trackers log every queued row and end their runs
 
     def run(self) -> None:
         try:

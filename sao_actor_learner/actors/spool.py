@@ -37,64 +37,36 @@ start); between the rename and "put" the start-up scan adds the "put"; a "sent" 
 the restarted actor send it again (a copy the learner skips); an acknowledged rollout whose file
 outlived the crash is deleted at the start. Plain files, no fsync: a process crash loses nothing
 written; a machine crash may.
+
+Bounded: the ledger is compacted when the spool starts and whenever it has grown enough since
+(ledger.py: the same counts and sets in O(held) lines), so it never holds a line per rollout
+ever made. A write that fails (ENOSPC: a full disk) raises `SpoolWriteError` naming the file:
+a rollout whose file or "put" line was not written is never sent, and after a failed ledger
+line the spool takes no more (a line after a torn one could be misread); the actor stops, and
+its restart finds every rollout it had kept.
 """
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import pickle
-import re
 import threading
 from typing import Dict, List, Optional, Tuple
 
 from absl import logging
 
-LEDGER = "ledger.log"
-_PENDING_RE = re.compile(r"^(\d{12})\.pkl$")
+from sao_actor_learner.actors.ledger import (  # noqa: F401 (LEDGER, read_ledger: re-exported)
+    COMPACT_MIN_BYTES, LEDGER, PENDING_RE, read_ledger, write_compacted)
+
+
+class SpoolWriteError(OSError):
+    """A spool file or ledger line could not be written (e.g. ENOSPC); the message names it."""
 
 
 def spool_dir(run_dir: str, actor_id: int) -> str:
     """Where actor `actor_id` of a run keeps its spool."""
     return os.path.join(run_dir, "spool", f"actor_{actor_id}")
-
-
-def read_ledger(directory: str) -> Dict[str, object]:
-    """What a spool's ledger and files hold: the seqs completed, sent (seq -> last epoch),
-    acknowledged and still held, rollouts refused before spooling (by reason), and admission
-    slots admitted and released."""
-    puts, acked, sent = set(), set(), {}
-    refused: collections.Counter = collections.Counter()
-    admitted = released = 0
-    asked = None               # an "ask" not yet answered by "adm"
-    path = os.path.join(directory, LEDGER)
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 2 or not parts[1].isdigit():
-                    continue   # a torn last line
-                n = int(parts[1])
-                kind = parts[0]
-                if kind == "ask":
-                    asked = n
-                elif kind == "adm":
-                    admitted += n
-                    asked = None
-                elif kind == "rel":
-                    released += n
-                elif kind == "put":
-                    puts.add(n)
-                elif kind == "sent" and len(parts) >= 3 and parts[2].isdigit():
-                    sent[n] = int(parts[2])
-                elif kind == "ack":
-                    acked.add(n)
-                elif kind == "rej" and len(parts) >= 3:
-                    refused[parts[2]] += 1
-    files = {int(m.group(1)) for name in (os.listdir(directory) if os.path.isdir(directory)
-                                          else ()) if (m := _PENDING_RE.match(name))}
-    return {"completed": puts | files | acked, "puts": puts, "sent": sent, "acked": acked,
-            "held": files - acked, "refused": dict(refused),
-            "admitted": admitted + (asked or 0), "released": released}
 
 
 class RolloutSpool:
@@ -103,10 +75,16 @@ class RolloutSpool:
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
+        self.ledger_path = os.path.join(directory, LEDGER)
         os.makedirs(directory, exist_ok=True)
         self._lock = threading.Lock()
-        self._ledger = os.open(os.path.join(directory, LEDGER),
-                               os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._ledger_lock = threading.Lock()     # ledger appends and compaction
+        self._ledger: Optional[int] = None
+        self._failed: Optional[SpoolWriteError] = None
+        self.compactions = 0
+        for name in os.listdir(directory):
+            if name.endswith(".tmp"):
+                os.remove(os.path.join(directory, name))       # never completed
         state = read_ledger(directory)
         self._admitted, self._released = state["admitted"], state["released"]
         self._refused = collections.Counter(state["refused"])
@@ -114,21 +92,24 @@ class RolloutSpool:
         self._sent_epoch: Dict[int, int] = {}     # held seq -> epoch it was last sent in
         # Held seqs a previous incarnation sent: maybe still unconfirmed when it died (to_send).
         self._sent_before_restart: set = set()
-        for name in os.listdir(directory):
-            if name.endswith(".tmp"):
-                os.remove(os.path.join(directory, name))       # never completed
-        for seq in state["acked"]:
-            if os.path.exists(self._path(seq)):
-                os.remove(self._path(seq))     # acknowledged before the crash; the file outlived it
-        for seq in sorted(state["held"]):
-            if seq not in state["puts"]:
-                self._append(f"put {seq}")     # completed, its ledger line lost
+        files = {int(m.group(1)) for name in os.listdir(directory)
+                 if (m := PENDING_RE.match(name))}
+        for seq in files & state["acked"]:
+            os.remove(self._path(seq))   # acknowledged before the crash; the file outlived it
+        for seq in sorted(state["held"]):   # (a held seq without "put": compaction adds it)
             self._sent_epoch[seq] = state["sent"].get(seq, -1)   # -1: never sent
             if self._sent_epoch[seq] >= 0:
                 self._sent_before_restart.add(seq)
         self._completed = len(state["completed"])
-        self._sent_once = len(state["sent"])
+        self._sent_once = state["sent_once"]
         self._next_seq = max(state["completed"]) + 1 if state["completed"] else 0
+        with self._ledger_lock:
+            if os.path.exists(self.ledger_path) and os.path.getsize(self.ledger_path):
+                self._compact_locked()   # a restart: compacted, and opened for appending
+            else:
+                self._ledger = os.open(self.ledger_path,
+                                       os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                self._appended, self._compact_at = 0, COMPACT_MIN_BYTES
 
     # --- counters -----------------------------------------------------------------------------
     @property
@@ -191,9 +172,21 @@ class RolloutSpool:
         rollout.seq = seq
         path = self._path(seq)
         tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(rollout, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
+        if self._failed is not None:
+            raise self._failed
+        try:
+            with open(tmp, "wb") as f:
+                pickle.dump(rollout, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, path)
+        except OSError as e:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise SpoolWriteError(
+                e.errno, f"spool file {path}: the rollout could not be written ({e}); it was "
+                "not kept and is not sent. Free space on that disk (or put --run_dir on "
+                "another) and restart the actor") from e
         self._append(f"put {seq}")
         with self._lock:
             self._completed += 1
@@ -266,12 +259,54 @@ class RolloutSpool:
         return rollout
 
     def close(self) -> None:
-        if self._ledger is not None:
-            os.close(self._ledger)
-            self._ledger = None
+        with self._ledger_lock:
+            if self._ledger is not None:
+                os.close(self._ledger)
+                self._ledger = None
 
     def _path(self, seq: int) -> str:
         return os.path.join(self.directory, f"{seq:012d}.pkl")
 
     def _append(self, line: str) -> None:
-        os.write(self._ledger, (line + "\n").encode())
+        """Appends `line` to the ledger in one write; compacts it when it has grown enough.
+        Raises SpoolWriteError when the line (or a compaction) is not written whole, and for
+        every line after that."""
+        data = (line + "\n").encode()
+        with self._ledger_lock:
+            if self._failed is not None:
+                raise self._failed
+            try:
+                view = memoryview(data)
+                while view:   # a short write (a full disk) is followed up: its error, or the rest
+                    written = os.write(self._ledger, view)
+                    if not written:
+                        raise OSError(errno.EIO, f"wrote nothing of {len(view)} bytes")
+                    view = view[written:]
+            except OSError as e:
+                self._failed = SpoolWriteError(
+                    e.errno, f"spool ledger {self.ledger_path}: a line could not be written "
+                    f"({e}); the spool takes no more and the actor stops. Free space on that "
+                    "disk (or put --run_dir on another) and restart it: the rollouts kept in "
+                    f"{self.directory} are sent again then")
+                raise self._failed from e
+            self._appended += len(data)
+            if self._appended >= self._compact_at:
+                self._compact_locked()
+
+    def _compact_locked(self) -> None:
+        """Rewrites the ledger compacted (ledger.py) and reopens it (needs the ledger lock)."""
+        try:
+            size = write_compacted(self.directory)
+            fd = os.open(self.ledger_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            self._failed = SpoolWriteError(
+                e.errno, f"spool ledger {self.ledger_path}: could not be compacted ({e}); the "
+                "spool takes no more and the actor stops. Free space on that disk (or put "
+                "--run_dir on another) and restart it")
+            raise self._failed from e
+        old, self._ledger = self._ledger, fd
+        if old is not None:
+            os.close(old)
+        self.compactions += 1
+        self._appended = 0
+        self._compact_at = max(COMPACT_MIN_BYTES, 2 * size)

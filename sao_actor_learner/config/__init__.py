@@ -15,6 +15,7 @@ import json
 from typing import Type, TypeVar
 
 from sao_actor_learner.config.learner import LearnerConfig
+from sao_actor_learner.config.network import NetworkConfig, check_transport
 from sao_actor_learner.config.profiles import PROFILES, apply_profile
 from sao_actor_learner.config.sections import (  # noqa: F401  (re-exported)
     ACTOR_DELAYS, ALGORITHMS, CRITIC_FREE_BASELINES, CRITICS, DTYPES, ENGINES, EVALUATORS,
@@ -22,6 +23,7 @@ from sao_actor_learner.config.sections import (  # noqa: F401  (re-exported)
     PROGRAM_GROUPS, TASKS, WEIGHT_SYNC_MODES, ActorConfig, ConfigError, DatasetConfig,
     EngineConfig, EvalConfig, LaunchConfig, ProgramConfig, ReplayConfig, Section,
     parse_ray_resources, raise_config_error)
+from sao_actor_learner.config.trackers import TRACKERS, WANDB_MODES, TrackerConfig  # noqa: F401
 
 # Per-task defaults of the fields left at 0 / "" ("actor_batch": the actor_batch value).
 TASK_DEFAULTS = {
@@ -35,7 +37,7 @@ TASK_DEFAULTS = {
                     env_threads="actor_batch"),
 }
 SECTIONS = (ProgramConfig, ReplayConfig, ActorConfig, EngineConfig, LearnerConfig,
-            DatasetConfig, EvalConfig, LaunchConfig)
+            DatasetConfig, EvalConfig, LaunchConfig, TrackerConfig, NetworkConfig)
 
 S = TypeVar("S", bound=Section)
 # Fields of earlier config.json files that no longer exist, and why reading them is harmless.
@@ -56,10 +58,10 @@ RENAMED_FIELDS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class SAOConfig(LaunchConfig, EvalConfig, DatasetConfig, LearnerConfig, EngineConfig,
-                ActorConfig, ReplayConfig, ProgramConfig):
+class SAOConfig(NetworkConfig, TrackerConfig, LaunchConfig, EvalConfig, DatasetConfig, LearnerConfig,
+                EngineConfig, ActorConfig, ReplayConfig, ProgramConfig):
     """Every option of a run (fields in section order: program, replay, actor, engine, learner,
-    dataset, eval, launch)."""
+    dataset, eval, launch, trackers, network)."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):   # tuples from flags may arrive as lists
@@ -181,6 +183,7 @@ class SAOConfig(LaunchConfig, EvalConfig, DatasetConfig, LearnerConfig, EngineCo
             fail(f"batch_size/learners={self.batch_size // self.learners} is not a multiple of "
                  f"group_size={G}: each rank needs whole groups")
         self._check_lean_choices(fail)
+        check_transport(self, fail)   # TLS beyond loopback; split launches (config/network.py)
         if self.launch != "ray" and (self.ray_address or self.ray_resources):
             fail(f"ray_address={self.ray_address!r} / ray_resources={list(self.ray_resources)}: "
                  f"apply to --launch=ray only (launch={self.launch!r}); drop them or use ray")

@@ -12,6 +12,9 @@ from sao_actor_learner.config.sections import (ALGORITHMS, CRITIC_FREE_BASELINES
                                                LR_SCHEDULES, POLICY_LOSSES, Fail, Section,
                                                at_least, choice, option)
 
+# learner/packing.LAYOUTS (config/ imports no torch).
+MICRO_BATCH_LAYOUTS = ("padded", "packed")
+
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig(Section):
@@ -108,10 +111,26 @@ class LearnerConfig(Section):
                                      "consecutive slices of the batch.")
     micro_batch_tokens: int = option(0, "Token budget of one forward/backward; a step "
                                      "accumulates gradients over micro-batches; 0: whole batch.")
+    micro_batch_layout: str = option(
+        "padded", "padded (each micro-batch a [rows, longest row] block; micro_batch_tokens "
+        "bounds rows x longest) or packed (its rollouts concatenated into one row with "
+        "restarting position ids and attention kept within each rollout: no compute on "
+        "padding; micro_batch_tokens bounds the row's tokens; sdpa models attend rollout by "
+        "rollout, eager and sliding-window ones through an O(tokens^2) block-diagonal mask). "
+        "Policy and critic; docs/DESIGN.md section 8.")
     dtype: str = option("float32", "Parameter and activation dtype of the policy and critic "
                         "(bfloat16 keeps fp32 master weights and optimizer state).")
     gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass "
                                           "(less memory, ~30% more compute).")
+    lora_rank: int = option(0, "LoRA rank r of the policy's adapters: the learner trains "
+                            "low-rank adapters only (PEFT; models/lora.py) and publishes, "
+                            "evaluates and checkpoints merged weights; 0: full fine-tuning.")
+    lora_alpha: float = option(16.0, "LoRA alpha: the adapters' update B A is scaled by "
+                               "lora_alpha / lora_rank.")
+    lora_target_modules: Tuple[str, ...] = option(
+        (), "Regexes (re.search) of the full names of the policy's linear layers that get "
+        "adapters, e.g. q_proj,v_proj; each must match one; empty: the architecture's default "
+        "(attention and MLP projections; attention only for MoE).")
     kernel_backend: str = option("auto", "auto (Triton on CUDA tensors, torch elsewhere), "
                                  "triton or torch.")
     fused_logprobs: bool = option(True, "Log-probs from hidden states and the LM head without "
@@ -130,7 +149,12 @@ class LearnerConfig(Section):
                                    "vs rollout) above this raises chi2_high.")
     checkpoint_every: int = option(0, "Save a learner checkpoint every this many versions; 0: "
                                    "only at the end.")
-    keep_checkpoints: int = option(0, "The newest learner checkpoints kept; 0: all.")
+    keep_checkpoints: int = option(2, "The newest learner checkpoints kept (2: the newest and "
+                                   "one to fall back to if it is found damaged); 0: all.")
+    journal_max_mb: int = option(1024, "Also write a learner checkpoint once the journal "
+                                 "since the newest one holds this many MiB (all ranks "
+                                 "together), so the journal stays below about twice this "
+                                 "whatever checkpoint_every is; 0: no limit.")
     learners: int = option(1, "Learner ranks in one torch.distributed group (gloo on CPU, NCCL "
                            "on GPU); each takes its share of every batch.")
     learner_strategy: str = option("ddp", "With learners > 1: ddp (gradients all-reduced) or "
@@ -144,7 +168,8 @@ class LearnerConfig(Section):
                                ("kernel_backend", KERNEL_BACKENDS), ("baseline",
                                                                      CRITIC_FREE_BASELINES),
                                ("dtype", DTYPES), ("learner_strategy", LEARNER_STRATEGIES),
-                               ("critic", CRITICS)):
+                               ("critic", CRITICS),
+                               ("micro_batch_layout", MICRO_BATCH_LAYOUTS)):
             choice(self, field, options, fail)
         at_least(self, ("critic_updates", "critic_minibatches", "learners", "policy_minibatches"), 1,
                  fail)
@@ -165,7 +190,8 @@ class LearnerConfig(Section):
             fail(f"lambda_alpha={self.lambda_alpha}: must be > 0 (SAO review: 1.5; VAPO: 0.05)")
         choice(self, "lr_schedule", LR_SCHEDULES, fail)
         at_least(self, ("critic_warmup_steps", "value_pretrain_rollouts", "checkpoint_every",
-                        "keep_checkpoints", "micro_batch_tokens", "lr_warmup_steps"), 0, fail)
+                        "keep_checkpoints", "journal_max_mb", "micro_batch_tokens",
+                        "lr_warmup_steps"), 0, fail)
         if self.max_grad_norm <= 0:
             fail(f"max_grad_norm={self.max_grad_norm}: must be > 0")
         if self.value_clip < 0:
@@ -207,6 +233,7 @@ class LearnerConfig(Section):
                  f"{self.algorithm!r})")
         if self.critic == "shared_trunk":
             self._check_shared_trunk(fail)
+        self._check_lora(fail)
         if not self.collective_timeout_s > 0:
             fail(f"collective_timeout_s={self.collective_timeout_s}: must be > 0 seconds")
         if not 0.0 < self.alarm_min_ess <= 1.0:
@@ -215,6 +242,27 @@ class LearnerConfig(Section):
         for field in ("alarm_max_kl", "alarm_max_chi2"):
             if not getattr(self, field) > 0:
                 fail(f"{field}={getattr(self, field)}: must be > 0 (defaults: 0.1 and 1.0)")
+
+    def _check_lora(self, fail: Fail) -> None:
+        """LoRA's own settings and the learner strategies it cannot run under (target patterns
+        are matched against the model before launch, preflight.py)."""
+        if self.lora_rank < 0:
+            fail(f"lora_rank={self.lora_rank}: must be > 0 for LoRA (typical: 8-64), or 0 for "
+                 "full fine-tuning")
+        if not self.lora_rank:
+            if self.lora_target_modules:
+                fail(f"lora_target_modules={','.join(self.lora_target_modules)} with "
+                     "lora_rank=0: LoRA is off; set --lora_rank > 0 or drop "
+                     "--lora_target_modules")
+            return
+        if not self.lora_alpha > 0:
+            fail(f"lora_alpha={self.lora_alpha}: must be > 0 (the update is scaled by "
+                 "lora_alpha / lora_rank; typical: 16 or 2 x rank)")
+        if self.learners > 1 and self.learner_strategy == "fsdp2":
+            fail(f"lora_rank={self.lora_rank} with learner_strategy='fsdp2': LoRA runs with "
+                 "ddp (the frozen base is replicated, only the adapters' gradients are "
+                 "all-reduced; merging sharded weights for every publish is not supported); "
+                 "use --learner_strategy=ddp or --lora_rank=0")
 
     def _check_shared_trunk(self, fail: Fail) -> None:
         """critic=shared_trunk: the combinations it does not support (docs/METHOD.md, the

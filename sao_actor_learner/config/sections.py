@@ -35,7 +35,7 @@ KERNEL_BACKENDS = ("auto", "triton", "torch")
 DTYPES = ("float32", "bfloat16")
 LEARNER_STRATEGIES = ("ddp", "fsdp2")
 CRITICS = ("separate", "shared_trunk")
-EVALUATORS = ("node", "in_learner", "off")
+EVALUATORS = ("node", "in_learner", "record", "off")
 # The groups of the SAO program (builder.make_program), for restart_groups and ray_resources.
 PROGRAM_GROUPS = ("replay", "variables", "learner", "learner_store", "actor", "evaluator")
 
@@ -150,6 +150,10 @@ class ReplayConfig(Section):
                                               "only when the replay node stops.")
     replay_checkpoint_dir: str = option("", "Where replay checkpoints go; empty: "
                                         "<run_dir>/checkpoints/replay.")
+    replay_loss_timeout_s: float = option(5.0, "Items that left the replay table without "
+                                          "reaching the learner for this long (sampled or "
+                                          "deleted by another client, a reset) start a loss "
+                                          "epoch: actors re-send them; one learner only; 0: off.")
     reverb_without_tensorflow: bool = option(True, "launch=local_mp: nodes load Reverb's C++ "
                                              "client without the TensorFlow Python module "
                                              "(replay/client.py; ~0.3 s and ~60 MB instead of "
@@ -168,6 +172,9 @@ class ReplayConfig(Section):
         if self.replay_checkpoint_every_s < 0:
             fail(f"replay_checkpoint_every_s={self.replay_checkpoint_every_s}: must be >= 0 "
                  "(0: checkpoint only when the replay node stops)")
+        if not self.replay_loss_timeout_s >= 0:
+            fail(f"replay_loss_timeout_s={self.replay_loss_timeout_s}: must be >= 0 seconds "
+                 "(0: the learner does not check the table's counters)")
         if self.forced_staleness < -1:
             fail(f"forced_staleness={self.forced_staleness}: staleness cannot be negative; use "
                  "k >= 0 (every rollout exactly k versions stale) or -1 (off)")
@@ -383,7 +390,10 @@ class EvalConfig(Section):
     eval_pass_k: int = option(0, "Also report pass@k with k samples at --temperature; 0: off.")
     evaluator: str = option("node", "Where held-out evaluation runs: node (a process of its "
                             "own), in_learner (the learner's process, after it publishes a due "
-                            "version, while it waits) or off (none).")
+                            "version, while it waits), record (a process that writes each "
+                            "due version to run_dir/policy_versions/ for "
+                            "programs/evaluate_versions.py to evaluate after the run: nothing "
+                            "evaluates during training) or off (none).")
 
     def check(self, fail: Fail) -> None:
         choice(self, "evaluator", EVALUATORS, fail)
@@ -416,10 +426,15 @@ class LaunchConfig(Section):
     service_timeout_s: float = option(300.0, "How long a service node (replay, variables) may "
                                       "take to accept connections; importing TensorFlow takes "
                                       "minutes on a loaded machine.")
+    node_timeout_s: float = option(60.0, "launch=local_mp: a node process whose heartbeat "
+                                   "thread is silent this long (stopped, deadlocked) is killed "
+                                   "and restarted as if it crashed (restart_groups), else fails "
+                                   "the run; long work never silences it; 0: off.")
     resume: bool = option(False, "Continue the run in run_dir (checkpoints, journal, replay, "
                           "spools); otherwise they are cleared first.")
     bind_host: str = option("127.0.0.1", "Interface the variable server binds; another needs "
-                            "an auth token (--auth_token or $SAO_AUTH_TOKEN).")
+                            "an auth token ($SAO_AUTH_TOKEN or --auth_token) and TLS "
+                            "(--tls_cert, --tls_key) or --insecure_transport.")
     tls_cert: str = option("", "PEM certificate chain: the variable server speaks TLS only.")
     tls_key: str = option("", "PEM private key of --tls_cert.")
 
@@ -434,6 +449,9 @@ class LaunchConfig(Section):
             fail(f"restart_backoff_s={self.restart_backoff_s}: must be >= 0 seconds")
         if self.service_timeout_s <= 0:
             fail(f"service_timeout_s={self.service_timeout_s}: must be > 0 seconds")
+        if not self.node_timeout_s >= 0:
+            fail(f"node_timeout_s={self.node_timeout_s}: must be >= 0 seconds (0: no liveness "
+                 "checks)")
         try:
             parse_ray_resources(self.ray_resources)
         except ValueError as e:

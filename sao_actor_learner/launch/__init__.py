@@ -22,6 +22,8 @@ Where things live (each module's docstring states what it guarantees):
   local_mp.py      launch_type="local_mp" (the default): a spawned process per node
   ray.py           launch_type="ray": a Ray actor per node (imports Ray; loaded only for it)
   node_runtime.py  what runs inside a node: build the worker, run it, obey stop requests
+  liveness.py      heartbeats (local_mp): a node silent for node_timeout_s is killed, restarted
+  loopback.py      a bind() interposer keeping wildcard-binding servers (Reverb) on loopback
   addresses.py     free ports, bind-host rules, address resolution
   logs.py          per-node logs, log tails, exit descriptions
   records.py       NodeRecord (one node's state and statuses), NodeFailedError
@@ -36,6 +38,7 @@ import tempfile
 from typing import Mapping, Optional, Sequence
 
 from sao_actor_learner.launch.launched import Launched
+from sao_actor_learner.launch.liveness import check_node_timeout
 from sao_actor_learner.launch.local_mp import ProcessRunner
 from sao_actor_learner.launch.local_mt import ThreadRunner
 from sao_actor_learner.launch.program import (Handle, Node, Program, PyNode, PyNodeHandle,
@@ -58,7 +61,8 @@ def launch(program: Program, launch_type: str = "local_mp", run_dir: Optional[st
            bind_host: str = "127.0.0.1",
            ray_address: Optional[str] = None,
            resources: Optional[Mapping[str, Mapping[str, float]]] = None,
-           group_env: Optional[Mapping[str, Mapping[str, str]]] = None) -> Launched:
+           group_env: Optional[Mapping[str, Mapping[str, str]]] = None,
+           node_timeout_s: float = 0.0) -> Launched:
     """Starts every node of `program` and returns the running program.
 
     launch_type: "local_mp" (a process per node, the default), "local_mt" (a thread per node)
@@ -82,6 +86,9 @@ def launch(program: Program, launch_type: str = "local_mp", run_dir: Optional[st
       {"learner": {"num_cpus": 1, "num_gpus": 1}} (unlisted groups reserve nothing).
     group_env: launch_type="local_mp" only: group label -> extra environment variables of its
       nodes' processes, over `env` (placement.placement_env: CPU sets, CUDA_VISIBLE_DEVICES).
+    node_timeout_s: launch_type="local_mp" only: a node process whose heartbeat thread has been
+      silent for longer than this is killed (SIGKILL) and treated as crashed: restarted by its
+      group's policy, else it fails the program (liveness.py); 0: no liveness checks.
 
     If starting fails, whatever started is stopped before the error propagates.
     """
@@ -94,6 +101,11 @@ def launch(program: Program, launch_type: str = "local_mp", run_dir: Optional[st
         raise ValueError(f"group_env (placement) applies to launch_type='local_mp' only, not "
                          f"{launch_type!r}: threads share one process's environment, and Ray "
                          "places nodes by resources")
+    check_node_timeout(node_timeout_s)
+    if node_timeout_s and launch_type != "local_mp":
+        raise ValueError(f"node_timeout_s={node_timeout_s} applies to launch_type='local_mp' "
+                         f"only, not {launch_type!r} (a thread cannot be killed; Ray actors are "
+                         "not watched): pass node_timeout_s=0")
     if not isinstance(program, Program):
         raise TypeError(f"launch({program!r}): expected a Program")
     if not program.nodes:
@@ -117,7 +129,7 @@ def launch(program: Program, launch_type: str = "local_mp", run_dir: Optional[st
     elif launch_type == "local_mt":
         runner = ThreadRunner()
     else:
-        runner = ProcessRunner()
+        runner = ProcessRunner(node_timeout_s=node_timeout_s)
     if run_dir is None:
         run_dir = tempfile.mkdtemp(prefix=f"{program.name}-")
     os.makedirs(run_dir, exist_ok=True)

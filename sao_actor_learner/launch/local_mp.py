@@ -12,6 +12,8 @@ Guarantees:
 - A node ends on b"stop" from its stop pipe (its worker's stop()), on SIGTERM after the notice
   period and SIGKILL `terminate_grace_s` later; it stops itself when the launcher dies (its
   pipe reads EOF). Exits are noticed as soon as they happen (a monitor thread).
+- With `node_timeout_s > 0`, every node process heartbeats and the monitor kills (SIGKILL) an
+  instance silent for longer than that; its exit is then a crash (liveness.py).
 
 Pure standard library.
 """
@@ -21,11 +23,14 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import logging
 import threading
 import time
 from typing import Any, Dict, List, Optional
 
 from sao_actor_learner.launch.addresses import port_of
+from sao_actor_learner.launch.liveness import (HeartbeatWatch, check_node_timeout, hang_message,
+                                               heartbeat_interval)
 from sao_actor_learner.launch.logs import LOG_TAIL_LINES, start_log, tail
 from sao_actor_learner.launch.node_runtime import process_main
 from sao_actor_learner.launch.program import Node
@@ -34,12 +39,18 @@ from sao_actor_learner.launch.runner import Runner, pickle_nodes
 
 __all__ = ["ProcessRunner"]
 
+_logger = logging.getLogger(__name__)
 _ENV_LOCK = threading.Lock()    # a child inherits os.environ as it is while it starts
 
 
 class _Instance:
-    def __init__(self, process: Any, stop_conn: Any, generation: int) -> None:
+    def __init__(self, process: Any, stop_conn: Any, generation: int,
+                 beats: Any = None) -> None:
         self.process, self.stop_conn, self.generation = process, stop_conn, generation
+        self.beats = beats                  # the heartbeat counter (None: liveness is off)
+        self.watch = HeartbeatWatch()
+        self.stop_sent = False              # asked to stop: the stop sequence takes over
+        self.hang: Optional[str] = None     # why the monitor killed it (liveness.py)
 
 
 class ProcessRunner(Runner):
@@ -47,8 +58,9 @@ class ProcessRunner(Runner):
 
     launch_type = "local_mp"
 
-    def __init__(self) -> None:
+    def __init__(self, node_timeout_s: float = 0.0) -> None:
         self._ctx = multiprocessing.get_context("spawn")
+        self.node_timeout_s = check_node_timeout(node_timeout_s)   # 0: no liveness checks
         self._reap_lock = threading.Lock()
         self._payloads: Dict[str, bytes] = {}
         self._records: List[NodeRecord] = []
@@ -72,11 +84,14 @@ class ProcessRunner(Runner):
         # dies. (Not a multiprocessing.Event: its set() blocks forever once a process that
         # waited on it has exited.)
         reader, writer = self._ctx.Pipe(duplex=False)
+        beats = self._ctx.RawValue("Q", 0) if self.node_timeout_s > 0 else None
         env = {**launched.env, **launched.group_env.get(r.node.label, {})}   # placement
         proc = self._ctx.Process(
             target=process_main, name=f"{launched.program.name}/{r.name}",
             args=(self._payloads[r.name], r.name, port, r.log_path, reader, launched.notice_s,
-                  env))
+                  env),
+            kwargs={"heartbeat": beats,
+                    "heartbeat_interval_s": heartbeat_interval(self.node_timeout_s)})
         with _ENV_LOCK:
             saved = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
@@ -90,7 +105,7 @@ class ProcessRunner(Runner):
                     else:
                         os.environ[k] = v
         r.pid = proc.pid
-        r.instance = _Instance(proc, writer, r.generation)
+        r.instance = _Instance(proc, writer, r.generation, beats)
 
     def poll(self, r: NodeRecord) -> None:
         inst = r.instance
@@ -99,10 +114,12 @@ class ProcessRunner(Runner):
         with self._reap_lock:
             code = inst.process.exitcode
         if code is not None:
-            self.launched.node_exited(r, code, None, inst.generation)
+            self.launched.node_exited(r, code, inst.hang, inst.generation)
 
     def request_stop(self, r: NodeRecord) -> None:
         inst = r.instance
+        if inst is not None:
+            inst.stop_sent = True
         if inst is not None and inst.stop_conn is not None:
             try:
                 inst.stop_conn.send_bytes(b"stop")
@@ -145,6 +162,30 @@ class ProcessRunner(Runner):
                 time.sleep(0.05)
             for r, _ in live:
                 self.poll(r)
+            if self.node_timeout_s > 0:
+                self._kill_silent(live)
+
+    def _kill_silent(self, live: List[Any]) -> None:
+        """SIGKILLs every running instance whose heartbeat has been silent for longer than
+        node_timeout_s (liveness.py); its exit then reaches the supervisor as a crash."""
+        now = time.monotonic()
+        for r, inst in live:
+            if inst.beats is None or inst.stop_sent or inst.hang is not None:
+                continue
+            silent = inst.watch.silent_for(inst.beats.value, now)
+            if silent <= self.node_timeout_s or inst.process.exitcode is not None:
+                continue
+            inst.hang = hang_message(r.name, silent, self.node_timeout_s)
+            _logger.warning("%s", inst.hang)
+            try:
+                with open(r.log_path, "a") as f:   # the failure's detail is this log's tail
+                    f.write(f"[launch] {inst.hang}\n")
+            except OSError:
+                pass
+            try:
+                os.kill(inst.process.pid, signal.SIGKILL)   # this instance, not a successor
+            except ProcessLookupError:
+                pass
 
     def finish(self, records: List[NodeRecord]) -> None:
         self._monitor_stop.set()

@@ -15,6 +15,8 @@ Guarantees:
   `max(notice_s, 1)` seconds after run() ends, nor, after a stop request, past half the notice
   (so a worker that stopped in time is never killed for its leftover threads). The exit code is 0 when run() returned, 1 when
   it raised (the traceback goes to the log).
+- With a heartbeat counter (local_mp with node_timeout_s > 0), a daemon thread keeps it moving
+  from the process's start until run() ends, whatever the worker does (liveness.py).
 
 Pure standard library.
 """
@@ -29,6 +31,7 @@ import time
 import traceback
 from typing import Any, Callable, Mapping, Optional
 
+from sao_actor_learner.launch.liveness import start_heartbeat
 from sao_actor_learner.launch.logs import flush_std_streams, redirect_output
 from sao_actor_learner.launch.placement import apply_cpu_set
 from sao_actor_learner.launch.program import map_handles
@@ -118,8 +121,13 @@ def watch_parent(stop_conn: Any, control: WorkerControl, notice_s: float) -> Non
 
 
 def process_main(payload: bytes, name: str, port: Optional[int], log_path: str,
-                 stop_conn: Any, notice_s: float, env: Mapping[str, str]) -> None:
-    """Entry point of a node's process (spawned by local_mp)."""
+                 stop_conn: Any, notice_s: float, env: Mapping[str, str],
+                 heartbeat: Any = None, heartbeat_interval_s: float = 1.0) -> None:
+    """Entry point of a node's process (spawned by local_mp). `heartbeat`: the launcher's
+    shared counter this process's heartbeat thread keeps moving (liveness.py), or None."""
+    beating = None
+    if heartbeat is not None:     # first: the launcher watches this instance from its first beat
+        beating = start_heartbeat(heartbeat, heartbeat_interval_s)
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C is the launcher's to handle
     redirect_output(log_path)
     os.environ.update(env)
@@ -137,6 +145,8 @@ def process_main(payload: bytes, name: str, port: Optional[int], log_path: str,
     except BaseException:  # noqa: BLE001 - the log and the exit code carry it
         traceback.print_exc()
         code = 1
+    if beating is not None:       # the work is done: exiting may take a while (liveness.py)
+        beating.finish()
     flush_std_streams()
 
     # Threads the worker left behind must not keep the process alive: at most max(notice_s, 1)

@@ -24,6 +24,8 @@ as `kill -9`) instead of failing the program:
   `max_restarts`.
 - A restarted service keeps its address; a node that returns from run() normally is
   finished, never restarted; nothing restarts once the program is stopping.
+- A node the launcher killed because its heartbeat went silent (liveness.py) is a crash like
+  any other; its history entry's reason is "hung" and a failure's headline says so.
 
 `Supervisor.on_exit` decides what an exit means and does the bookkeeping (statuses, counts,
 histories); the `Launched` that owns it carries out the `RestartPlan`s it returns.
@@ -38,6 +40,7 @@ import signal
 import time
 from typing import Dict, List, Mapping, Optional
 
+from sao_actor_learner.launch.liveness import HUNG_PREFIX
 from sao_actor_learner.launch.logs import describe_exit
 from sao_actor_learner.launch.records import NodeRecord
 
@@ -99,6 +102,11 @@ class RestartPlan:
             return f"node {self.cause.name}"
         why = "restart was requested" if self.requested else "crashed"
         return f"group {self.group!r} (after {self.cause.name} {why})"
+
+
+def _hung(r: NodeRecord) -> bool:
+    """Whether r's last instance was killed for a silent heartbeat (liveness.py)."""
+    return (r.error or "").startswith(HUNG_PREFIX)
 
 
 class _GroupState:
@@ -204,14 +212,15 @@ class Supervisor:
         if not requested:
             what = (f"; restarting the {len(members)} nodes of group {r.label!r} together"
                     if state is not None else "")
-            _logger.warning("node %s crashed (exit code %s%s)%s; restart %d of %d in %.1f s",
-                            r.name, r.exitcode, describe_exit(r.exitcode), what,
+            _logger.warning("node %s %s (exit code %s%s)%s; restart %d of %d in %.1f s",
+                            r.name, "hung" if _hung(r) else "crashed", r.exitcode,
+                            describe_exit(r.exitcode), what,
                             self._restart_count(r), policy.max_restarts, delay)
         return plan
 
     def _enter_restarting(self, m: NodeRecord, plan: RestartPlan) -> None:
         if m is plan.cause:
-            reason = "requested" if plan.requested else "crashed"
+            reason = "requested" if plan.requested else ("hung" if _hung(m) else "crashed")
         else:
             why = "restart requested" if plan.requested else "crashed"
             reason = f"group {plan.group}: {plan.cause.name} {why}"
@@ -247,6 +256,8 @@ class Supervisor:
         if r.headline:
             return r.headline
         headline = f"node {r.name} failed (exit code {r.exitcode}{describe_exit(r.exitcode)})"
+        if _hung(r):    # killed by the launcher's liveness check (liveness.py)
+            headline += f", {r.error}"
         restarts = self._restart_count(r)
         if restarts and r.label in self._groups:
             headline += (f" after {restarts} restarts of group {r.label!r} (its max_restarts; "

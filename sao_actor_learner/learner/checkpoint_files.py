@@ -17,13 +17,14 @@ Standard library only (and models/model_dir, which needs no torch).
 """
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
 import os
 import re
 import shutil
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from sao_actor_learner.models.model_dir import ModelDirError, read_safetensors_header
 from sao_actor_learner.run_dirs import make_owned_dir, mark_owned
@@ -79,6 +80,31 @@ def write_manifest(directory: str) -> Dict:
     for folder in reversed(folders):
         fsync_path(folder)
     return manifest
+
+
+class CheckpointWriteError(OSError):
+    """A learner checkpoint could not be written (e.g. ENOSPC); the message names it."""
+
+
+def write_checkpoint(path: str, write: Callable[[str], None]) -> str:
+    """Writes the checkpoint `path`: `write(tmp)` fills a fresh temporary folder, then
+    seal_checkpoint makes it durable and renames it into place. Whatever fails on the way (a
+    full disk surfaces as OSError, or as the error of a library that wrapped it) removes the
+    temporary folder and raises CheckpointWriteError naming `path`; the checkpoints already
+    there are untouched. Returns `path`."""
+    tmp = None
+    try:
+        tmp = begin_checkpoint(path)
+        write(tmp)
+        return seal_checkpoint(tmp, path)
+    except Exception as e:  # noqa: BLE001 - re-raised, naming the checkpoint
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        code = getattr(e, "errno", None) or errno.EIO
+        raise CheckpointWriteError(
+            code, f"learner checkpoint {path}: could not be written ({type(e).__name__}: {e}); "
+            "the learner stops (the newest complete checkpoint is kept). Free space on that "
+            "disk (or put --run_dir on another) and resume") from e
 
 
 def begin_checkpoint(path: str) -> str:

@@ -28,6 +28,8 @@ from typing import Any, Iterable, List, Sequence
 
 import torch
 
+from sao_actor_learner.models.lora import merged_state_dict
+
 
 class CollectiveTimeout(RuntimeError):
     """A learner-group collective did not complete in time (a rank died or hangs)."""
@@ -239,9 +241,10 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float,
 
 
 def full_state_dict(module: torch.nn.Module) -> dict:
-    """The module's whole state dict on CPU (FSDP2 shards gathered; every rank must call it)."""
+    """The module's whole state dict on CPU (FSDP2 shards gathered; every rank must call it;
+    LoRA adapters merged into their base weights, models/lora.merged_state_dict)."""
     out = {}
-    for name, t in module.state_dict().items():
+    for name, t in merged_state_dict(module).items():
         if is_sharded(t):
             t = t.full_tensor()
         out[name] = t.detach().to("cpu")

@@ -35,7 +35,7 @@ from absl import logging
 from sao_actor_learner import kernels
 from sao_actor_learner.config.learner import LearnerConfig
 from sao_actor_learner.learner import advantages as adv_lib
-from sao_actor_learner.learner import distributed, losses, minibatches
+from sao_actor_learner.learner import distributed, losses, minibatches, packing
 from sao_actor_learner.learner.baselines import (baseline_stats, broadcast_to_action_tokens,
                                                  make_baseline, prompt_key, sequence_rewards)
 from sao_actor_learner.learner.grpo import group_normalized_advantages
@@ -131,23 +131,31 @@ class CriticGAE(AdvantageEstimator):
         if config.gradient_checkpointing:
             critic.body.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
+        if config.micro_batch_layout == "packed":
+            packing.prepare_packed_attention(critic.body, "the critic")
 
     @property
     def device(self) -> torch.device:
         return self.critic.head.weight.device
 
     def _raw_values(self, batch: Batch) -> torch.Tensor:
-        """[B, T] critic outputs (value of the state after reading x_0..x_t)."""
+        """[B, T] critic outputs (value of the state after reading x_0..x_t); a packed
+        micro-batch runs as one row (learner/packing.py) and comes back as [B, T]."""
+        packed = packing.maybe_pack(batch, self.config.micro_batch_layout)
         with autocast(self.config.dtype, self.device):
-            return self.critic(batch.tokens, batch.attention_mask).float()
+            if packed is None:
+                return self.critic(batch.tokens, batch.attention_mask).float()
+            hidden = packing.packed_hidden(self.critic.body, packed)
+            return packed.unpack(self.critic.head(hidden).squeeze(-1).float())
 
     def values(self, batch: Batch) -> tuple:
         """(values aligned to token positions [B, T], value after each row's last token [B]),
         without gradient, micro-batch by micro-batch."""
         raw = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
         with torch.no_grad():
-            for rows in minibatches.pack_by_tokens(batch.lengths.tolist(),
-                                                   self.config.micro_batch_tokens):
+            for rows in minibatches.micro_batch_groups(batch.lengths.tolist(),
+                                                       self.config.micro_batch_tokens,
+                                                       self.config.micro_batch_layout):
                 micro = minibatches.select_rows(batch, rows, trim=True)
                 raw[torch.as_tensor(rows, device=raw.device),
                     :micro.tokens.shape[1]] = self._raw_values(micro)
@@ -212,7 +220,8 @@ class CriticGAE(AdvantageEstimator):
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
         lengths = batch.lengths[torch.as_tensor(rows)].tolist()
-        for group in minibatches.pack_by_tokens(lengths, self.config.micro_batch_tokens):
+        for group in minibatches.micro_batch_groups(lengths, self.config.micro_batch_tokens,
+                                                    self.config.micro_batch_layout):
             micro = minibatches.select_rows(batch, rows[group], trim=True)
             width = micro.tokens.shape[1]
             r = torch.as_tensor(rows[group], device=batch.tokens.device)
@@ -316,8 +325,9 @@ class SharedTrunkGAE(CriticGAE):
     def one_pass(self, batch: Batch) -> bool:
         """Whether the policy step will run one forward over the whole batch (see above)."""
         return (self._trainer is not None and self.config.policy_minibatches == 1 and
-                len(minibatches.pack_by_tokens(batch.lengths.tolist(),
-                                               self.config.micro_batch_tokens)) == 1)
+                len(minibatches.micro_batch_groups(batch.lengths.tolist(),
+                                                   self.config.micro_batch_tokens,
+                                                   self.config.micro_batch_layout)) == 1)
 
     def estimate(self, batch: Batch) -> Estimate:
         if not self.one_pass(batch):

@@ -25,7 +25,9 @@ of rollouts. A record torn by a crash mid-write fails its crc and is ignored. A 
 fails or writes short is an error (`JournalWriteError`): the journal refuses every later record
 and the learner stops (records appended after a torn one would be lost at the next resume).
 
-Segments and checkpoints. A checkpoint at step N rotates the journal: segment N starts with a
+Segments and checkpoints. Checkpoints come on the learner's cadence and, whatever that is, once
+the segment being appended to holds the journal limit (`journal_bytes`, disk_bounds.py), so
+the journal stays bounded. A checkpoint at step N rotates the journal: segment N starts with a
 meta record `{"carry": c}` and the c rollouts fetched before the checkpoint but not yet used
 (they are also the last c of the segment before), written and fsynced before the checkpoint.
 Segments from the previous complete checkpoint on are kept (older ones are deleted after the
@@ -55,12 +57,9 @@ from sao_actor_learner.learner.checkpoint_files import (  # noqa: F401 (checkpoi
     LEARNER_STATE_FILE, check_checkpoint, checkpoint_path, complete_checkpoints,
     latest_checkpoint, prune_checkpoints)
 from sao_actor_learner.learner.segments import (  # noqa: F401 (the journal's files)
-    file_digest, frame, journal_dir, read_segment, read_segment_meta, segment_path,
-    segment_steps, write_segment)
+    JournalWriteError, file_digest, frame, journal_dir, read_segment, read_segment_meta,
+    segment_path, segment_steps, write_segment)
 from sao_actor_learner.run_dirs import make_owned_dir
-
-class JournalWriteError(OSError):
-    """A journal record could not be written whole; the journal takes no more records."""
 
 
 class ReaderJournal:
@@ -73,6 +72,7 @@ class ReaderJournal:
         self._fd: Optional[int] = None
         self.failed: Optional[JournalWriteError] = None
         self.after_step = -1
+        self.segment_bytes = 0        # bytes in the segment being appended to
         self._open(after_step)
 
     def _open(self, after_step: int) -> None:
@@ -83,6 +83,7 @@ class ReaderJournal:
                 f.truncate(good)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         old, self._fd, self.after_step = self._fd, fd, after_step
+        self.segment_bytes = os.fstat(fd).st_size
         if old is not None:
             os.close(old)
 
@@ -97,6 +98,7 @@ class ReaderJournal:
                 written = os.write(self._fd, data)
                 if written != len(data):
                     raise OSError(errno.EIO, f"short write: {written} of {len(data)} bytes")
+                self.segment_bytes += written
             except OSError as e:
                 self.failed = JournalWriteError(
                     e.errno, f"journal {segment_path(self.directory, self.after_step)}: a record "
@@ -212,6 +214,11 @@ class JournaledReader(core.RolloutSource):
         with self._lock:
             carry = [r for r in (self._replay, list(self._unreturned)) if r]
             return self.journal.rotate(after_step, commit, carry=carry)
+
+    def journal_bytes(self) -> int:
+        """Bytes in the journal segment after the newest checkpoint (the learner checkpoints
+        when they pass its journal limit, which bounds the journal)."""
+        return self.journal.segment_bytes
 
     def queue_size(self) -> int:
         """Rollouts waiting in replay; -1 while replay does not answer (it is restarting): a

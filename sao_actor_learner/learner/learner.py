@@ -53,12 +53,14 @@ from absl import logging
 from sao_actor_learner import core
 from sao_actor_learner.learner import distributed, drift
 from sao_actor_learner.learner.estimators import AdvantageEstimator
-from sao_actor_learner.learner.checkpoint_files import begin_checkpoint, seal_checkpoint
+from sao_actor_learner.learner.checkpoint_files import write_checkpoint
+from sao_actor_learner.learner.disk_bounds import checkpoint_due
 from sao_actor_learner.learner.journal import (LEARNER_STATE_FILE, checkpoint_path,
                                                prune_checkpoints)
 from sao_actor_learner.learner.policy import PolicyTrainer
 from sao_actor_learner.learner.sampling import RolloutSampler
 from sao_actor_learner.models.checkpoint import save_checkpoint, sync_state_dict
+from sao_actor_learner.models.lora import save_adapter
 from sao_actor_learner.types import Batch, Rollout, collate
 
 
@@ -86,6 +88,8 @@ class Learner(core.Worker, core.VariableSource):
       tokenizer: saved with each checkpoint so it is a model directory.
       keep_checkpoints: the newest kept (0: all).
       pad_id: the id padding batches.
+      journal_max_bytes: also checkpoint once the journal since the newest checkpoint holds
+        this many bytes (all ranks together; 0: no limit), which bounds the journal.
       collective: the learner group.
       evaluation: called as evaluation(version, weights) after version 0 is published and
         after every step (rank 0), `weights()` giving the policy's sync state dict; it
@@ -100,7 +104,7 @@ class Learner(core.Worker, core.VariableSource):
                  checkpoint_every: int = 0, publisher=None,
                  serialize: Optional[Callable[[dict], object]] = None, logger=None,
                  checkpoint_root: Optional[str] = None, tokenizer: Optional[core.Tokenizer] = None,
-                 keep_checkpoints: int = 0, pad_id: int = 0,
+                 keep_checkpoints: int = 0, pad_id: int = 0, journal_max_bytes: int = 0,
                  collective: distributed.Collective = distributed.SINGLE,
                  evaluation: Optional[Callable[[int, Callable[[], dict]], bool]] = None):
         critic_only = value_pretraining is not None or warmup_steps
@@ -130,6 +134,7 @@ class Learner(core.Worker, core.VariableSource):
         self._checkpoint_root = checkpoint_root
         self._tokenizer = tokenizer
         self._keep = keep_checkpoints
+        self.journal_max_bytes = journal_max_bytes
         self.pad_id = pad_id
         self._stop = threading.Event()
         self._report_lock = threading.Lock()
@@ -148,6 +153,7 @@ class Learner(core.Worker, core.VariableSource):
         self._evaluation = evaluation if main else None
         self.in_learner_eval_s = 0.0     # seconds this loop spent evaluating (in_learner)
         sampler.on_drop = self._on_drop
+        sampler.on_wait = self._check_replay_interruptions   # also while waiting for a batch
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -247,12 +253,14 @@ class Learner(core.Worker, core.VariableSource):
         logging.info("learner: loss epoch %d", self.loss_epoch)
 
     def _check_replay_interruptions(self) -> None:
-        """A broken replay stream (replay restarted, or the network): start a loss epoch."""
+        """A broken replay stream (replay restarted, or the network), or items taken from the
+        table by someone else (replay/loss.py): start a loss epoch."""
         interruptions = self.source.interruptions
         if interruptions > self._interruptions_seen:
             self._interruptions_seen = interruptions
-            logging.warning("learner: the replay stream broke (%d times so far): rollouts in "
-                            "transit may be lost; starting a loss epoch", interruptions)
+            logging.warning("learner: replay lost rollouts (the stream broke, or items left the "
+                            "table that the learner never fetched; %d times so far): starting a "
+                            "loss epoch", interruptions)
             self.start_loss_epoch()
 
     def publish(self) -> None:
@@ -394,7 +402,8 @@ class Learner(core.Worker, core.VariableSource):
             stats.update({"resumed_from": self.resumed_from, "replayed": int(replaying),
                           "resume_publish_conflicts": self.resume_publish_conflicts})
         self.log(stats)
-        if self.checkpoint_every and self.version % self.checkpoint_every == 0:
+        if checkpoint_due(self.version, self.checkpoint_every, self._journal_bytes,
+                          self.journal_max_bytes if self._checkpoint_root else 0):
             self.save_checkpoint()
         self._evaluate()
         return stats
@@ -468,6 +477,8 @@ class Learner(core.Worker, core.VariableSource):
         close = getattr(self._evaluation, "close", None)
         if close is not None:
             close()
+        if self._logger is not None:
+            self._logger.close()   # its trackers log every queued row and end their runs
         logging.info("learner finished at version %d (%d rollouts trained, %d dropped stale)",
                      self.version, self.rollouts_trained, self.dropped_stale)
 
@@ -529,6 +540,10 @@ class Learner(core.Worker, core.VariableSource):
             random.setstate(rng["python"])
         self.resumed_from = self.version
 
+    def _journal_bytes(self) -> int:
+        """Bytes journalled since the newest checkpoint, all ranks together (a collective)."""
+        return int(self.collective.sum([self.source.journal_bytes()])[0])
+
     def save_checkpoint(self) -> Optional[str]:
         """Writes checkpoints/step_<version>/ (see the module docstring) with the journal
         rotated; every rank must call it. Returns the path (rank 0) or None."""
@@ -544,10 +559,13 @@ class Learner(core.Worker, core.VariableSource):
         def commit() -> Optional[str]:
             self.collective.barrier()          # every rank's new journal segment is on disk
             if self.collective.is_main:
-                tmp = begin_checkpoint(path)   # step_<N>.tmp-<pid>, marked (run_dirs.py)
-                save_checkpoint(_WithStateDict(self.policy, weights), self._tokenizer, tmp)
-                torch.save(state, os.path.join(tmp, LEARNER_STATE_FILE))
-                seal_checkpoint(tmp, path)   # manifest, fsync, rename (checkpoint_files.py)
+                def write(tmp: str) -> None:   # into step_<N>.tmp-<pid>, marked (run_dirs.py)
+                    save_checkpoint(_WithStateDict(self.policy, weights), self._tokenizer, tmp)
+                    save_adapter(self.policy, tmp)   # LoRA: adapter/ in PEFT's format
+                    torch.save(state, os.path.join(tmp, LEARNER_STATE_FILE))
+                # then manifest, fsync, rename; CheckpointWriteError naming it when the disk is
+                # full (checkpoint_files.py)
+                write_checkpoint(path, write)
             self.collective.barrier()          # the checkpoint is complete before old segments go
             return path
 

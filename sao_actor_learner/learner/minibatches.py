@@ -11,6 +11,9 @@ length share a group and little is padding). A row longer than the budget is a g
 Each group is collated again at its own width (`select_rows(..., trim=True)`): gradients are
 accumulated over the groups and one optimizer step follows, with every loss normalised by the
 whole batch's denominator, so the result equals the whole-batch step.
+
+With micro_batch_layout=packed the groups are `pack_by_token_sum`'s (summed lengths <= budget,
+first-fit decreasing) and each runs as one padding-free row (learner/packing.py).
 """
 from __future__ import annotations
 
@@ -55,6 +58,45 @@ def pack_by_tokens(lengths: Sequence[int], budget: int) -> List[np.ndarray]:
         width = w
     groups.append(current)
     return [np.sort(np.asarray(g, dtype=np.int64)) for g in groups]
+
+
+def pack_by_token_sum(lengths: Sequence[int], budget: int) -> List[np.ndarray]:
+    """Row groups whose summed length is <= budget (packed micro-batches: one row of the
+    group's real tokens, no padding); budget 0: one group.
+
+    First-fit decreasing: rows are taken longest first (ties by row), each into the first group
+    it still fits in, else into a new group; a row longer than the budget is a group of its
+    own. Every row is in exactly one group; groups list rows in increasing order.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if budget < 0:
+        raise ValueError(f"budget={budget}: must be >= 0 (0: the whole batch at once)")
+    if budget == 0 or lengths.size == 0 or int(lengths.sum()) <= budget:
+        return [np.arange(lengths.size)]
+    groups: List[List[int]] = []
+    room: List[int] = []
+    for row in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[row])
+        fits = [g for g in range(len(groups)) if room[g] >= n]
+        if fits:
+            groups[fits[0]].append(int(row))
+            room[fits[0]] -= n
+        else:
+            groups.append([int(row)])
+            room.append(budget - n)
+    return [np.sort(np.asarray(g, dtype=np.int64)) for g in groups]
+
+
+def micro_batch_groups(lengths: Sequence[int], budget: int, layout: str = "padded"
+                       ) -> List[np.ndarray]:
+    """The micro-batches of rows with these lengths under config micro_batch_layout: padded
+    (`pack_by_tokens`: rows x longest row <= budget) or packed (`pack_by_token_sum`: the rows'
+    tokens <= budget)."""
+    if layout == "packed":
+        return pack_by_token_sum(lengths, budget)
+    if layout != "padded":
+        raise ValueError(f"micro_batch_layout={layout!r}: must be padded or packed")
+    return pack_by_tokens(lengths, budget)
 
 
 def select_rows(batch: Batch, rows: Sequence[int], trim: bool = False) -> Batch:

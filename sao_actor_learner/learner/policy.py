@@ -5,7 +5,8 @@ One call of `PolicyTrainer.step(batch, advantages)`:
   for each of `policy_minibatches` slices of the batch's rows (one optimizer step each):
     the slice's loss denominator is summed over the learner group first (all its action tokens,
     the loss normalisation of docs/METHOD.md), then for each micro-batch of at most
-    `micro_batch_tokens` padded tokens: log-probs (with gradient), the loss divided by that
+    `micro_batch_tokens` tokens (micro_batch_layout: padded rows, or one packed row,
+    learner/packing.py): log-probs (with gradient), the loss divided by that
     global denominator, backward (gradients accumulate);
     the gradients are summed over the group, clipped to `max_grad_norm`, and the optimizer
     steps, unless the loss or the gradient norm is not finite: then the gradients are dropped,
@@ -38,7 +39,7 @@ from absl import logging
 from sao_actor_learner import kernels
 from sao_actor_learner.config.learner import LearnerConfig
 from sao_actor_learner.distributions import sampling_logprobs
-from sao_actor_learner.learner import distributed, drift, losses, minibatches
+from sao_actor_learner.learner import distributed, drift, losses, minibatches, packing
 from sao_actor_learner.learner.schedules import lr_factor
 from sao_actor_learner.models.value import base_model_of
 from sao_actor_learner.types import Batch
@@ -126,6 +127,8 @@ class PolicyTrainer:
         if config.gradient_checkpointing:
             policy.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
+        if config.micro_batch_layout == "packed":
+            packing.prepare_packed_attention(base_model_of(policy), "the policy")
 
     def set_learning_rate(self, version: int, total_steps: int) -> float:
         """Sets the optimizer's learning rate for the step taken at policy `version` from the
@@ -144,7 +147,7 @@ class PolicyTrainer:
     def logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, T] float32 log pi_theta(x_t | x_<t) (position 0: 0), differentiable unless called
         under no_grad; one forward over the whole `batch`."""
-        return self.forward(batch)[0]
+        return self._forward(batch, entropy=False, with_hidden=False)[0]
 
     def forward(self, batch: Batch):
         """(log-probs [B, T] as `logprobs`, the trunk's last hidden state [B, T, H]): one
@@ -152,21 +155,29 @@ class PolicyTrainer:
         head) read it."""
         return self._forward(batch, entropy=False)[:2]
 
-    def forward_and_entropy(self, batch: Batch):
+    def forward_and_entropy(self, batch: Batch, with_hidden: bool = True):
         """`forward`'s (log-probs, hidden) and the entropy [B, T] (float32, no gradient, 0 at
         position 0) of the sampling distribution at each position, computed with the log-probs
         (fused: inside the kernel; top_p < 1: from the rows of logits held anyway); None when
-        config.token_entropy is off."""
-        return self._forward(batch, entropy=self.config.token_entropy)
+        config.token_entropy is off. `with_hidden=False` may return None for the hidden state
+        (packed micro-batches then skip putting it back into the padded layout)."""
+        return self._forward(batch, entropy=self.config.token_entropy, with_hidden=with_hidden)
 
-    def _forward(self, batch: Batch, entropy: bool):
+    def _forward(self, batch: Batch, entropy: bool, with_hidden: bool = True):
         cfg = self.config
+        packed = packing.maybe_pack(batch, cfg.micro_batch_layout)   # None: padded rows
         with autocast(cfg.dtype, self.device):
             head = self.policy.get_output_embeddings()
             weight = head.weight if self.token_limit is None else head.weight[:self.token_limit]
-            targets = batch.tokens[:, 1:]
-            hidden = base_model_of(self.policy)(
-                input_ids=batch.tokens, attention_mask=batch.attention_mask).last_hidden_state
+            body = base_model_of(self.policy)
+            if packed is None:
+                tokens = batch.tokens
+                hidden = body(input_ids=tokens,
+                              attention_mask=batch.attention_mask).last_hidden_state
+            else:
+                tokens = packed.tokens
+                hidden = packing.packed_hidden(body, packed)
+            targets = tokens[:, 1:]
             if cfg.fused_logprobs and getattr(head, "bias", None) is None and self.top_p >= 1.0:
                 h = hidden[:, :-1]
                 w = weight.to(h.dtype) if cfg.kernel_backend != "torch" else weight
@@ -181,6 +192,10 @@ class PolicyTrainer:
         if ent is not None:
             ent = ent.detach().float()
             ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+        if packed is not None:   # back to [b, w]; first tokens were predicted across rollouts
+            logp = packed.unpack(logp, zero_starts=True)
+            ent = None if ent is None else packed.unpack(ent, zero_starts=True)
+            hidden = packed.unpack(hidden) if with_hidden else None
         return logp, hidden, ent
 
     def _nucleus_logprobs(self, hidden: torch.Tensor, head: torch.nn.Module,
@@ -209,8 +224,9 @@ class PolicyTrainer:
         """[B, T] log-probs of the whole batch without gradient, micro-batch by micro-batch."""
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
         with torch.no_grad():
-            for rows in minibatches.pack_by_tokens(batch.lengths.tolist(),
-                                                   self.config.micro_batch_tokens):
+            for rows in minibatches.micro_batch_groups(batch.lengths.tolist(),
+                                                       self.config.micro_batch_tokens,
+                                                       self.config.micro_batch_layout):
                 micro = minibatches.select_rows(batch, rows, trim=True)
                 out[torch.as_tensor(rows, device=out.device),
                     :micro.tokens.shape[1]] = self.logprobs(micro)
@@ -265,14 +281,15 @@ class PolicyTrainer:
         if joint is not None:
             joint.zero_grad()
         loss_total, kept = 0.0, 0.0
-        for micro_rows in minibatches.pack_by_tokens(mb.lengths.tolist(),
-                                                     cfg.micro_batch_tokens):
+        for micro_rows in minibatches.micro_batch_groups(mb.lengths.tolist(),
+                                                         cfg.micro_batch_tokens,
+                                                         cfg.micro_batch_layout):
             micro = minibatches.select_rows(mb, micro_rows, trim=True)
             width = micro.tokens.shape[1]
             m = torch.as_tensor(micro_rows, device=mb.tokens.device)
             cached = None if joint is None else joint.cached_forward(rows_t[m], micro)
             logp, hidden, *rest = cached if cached is not None else \
-                self.forward_and_entropy(micro)
+                self.forward_and_entropy(micro, with_hidden=joint is not None)
             entropy = rest[0] if rest else None
             loss, s = self._loss(micro, logp, adv[m, :width],
                                  None if old is None else old[m, :width], n_actions)

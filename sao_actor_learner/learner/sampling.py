@@ -4,7 +4,8 @@ Staleness (docs/METHOD.md, asynchrony): a rollout trained at version v has stale
 v - (the oldest version among its action tokens). Nothing staler than `max_staleness` is trained
 on: `RolloutSampler` drops such rollouts (and `GroupSampler` drops a whole group when any member
 is too stale), counts them, and tells `on_drop` (the learner reports the new admission credit).
-Both return early when `stop` is set.
+Both return early when `stop` is set, and call `on_wait` (when set) before each request to the
+source, so the learner notices a broken or drained replay while it waits for a batch.
 
 Exactly once: every rollout taken (into a batch) or dropped is added to `consumed` (its key,
 learner/consumed.py), and a rollout whose key is already there is skipped and counted in
@@ -40,6 +41,7 @@ class RolloutSampler:
         self.source = source
         self.max_staleness = max_staleness
         self.on_drop = on_drop
+        self.on_wait: Optional[Callable[[], None]] = None   # before each request to the source
         self.consumed = ConsumedKeys()
         self.dropped = 0                   # rollouts dropped for staleness, in total
         self.duplicates = 0                # rollouts skipped: their key was already consumed
@@ -79,6 +81,8 @@ class RolloutSampler:
         fresh: List[Rollout] = []
         waited, dropped = 0.0, 0
         while len(fresh) < n and not stop.is_set():
+            if self.on_wait is not None:
+                self.on_wait()
             t0 = time.time()
             got = self._admissible(self.source.sample(n - len(fresh), timeout_s=1.0), version)
             waited += time.time() - t0
@@ -129,6 +133,8 @@ class GroupSampler(RolloutSampler):
             if len(groups) >= want:
                 break
             missing = (want - len(groups)) * G - self.assembler.num_buffered
+            if self.on_wait is not None:
+                self.on_wait()
             t0 = time.time()
             got = self._admissible(self.source.sample(max(missing, G), timeout_s=1.0), version)
             for r in got:     # held by the assembler from now on (its state is checkpointed)

@@ -26,6 +26,10 @@ _HEADER = struct.Struct("<4sII")      # magic, payload length, crc32 of the payl
 _SEGMENT_RE = re.compile(r"^after_step_(\d{6,})\.log$")
 
 
+class JournalWriteError(OSError):
+    """A journal record could not be written whole; the journal takes no more records."""
+
+
 def journal_dir(checkpoint_root: str, rank: int = 0) -> str:
     """Rank 0's journal is checkpoints/journal; rank r's of a learner group journal_rank<r>."""
     return os.path.join(checkpoint_root, "journal" if rank == 0 else f"journal_rank{rank}")
@@ -90,13 +94,23 @@ def read_segment_meta(path: str) -> Tuple[List[List[Any]], Dict[str, Any], int]:
 
 def write_segment(path: str, meta: Dict[str, Any], records: Sequence[Sequence[Any]]) -> None:
     """Writes a whole segment (meta record first) durably: temporary file, fsync, rename, fsync
-    of the folder."""
+    of the folder. JournalWriteError naming `path` when it cannot (e.g. ENOSPC): then the
+    temporary file is removed and `path` is as it was."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(frame(dict(meta)))
-        for record in records:
-            f.write(frame(list(record)))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(os.path.dirname(os.path.abspath(path)))
+    try:
+        with open(tmp, "wb") as f:
+            f.write(frame(dict(meta)))
+            for record in records:
+                f.write(frame(list(record)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_path(os.path.dirname(os.path.abspath(path)))
+    except OSError as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise JournalWriteError(e.errno, f"journal segment {path}: could not be written ({e}); "
+                                "free space on that disk (or put --run_dir on another) and "
+                                "resume the learner") from e

@@ -32,6 +32,7 @@ import torch
 
 from sao_actor_learner import core
 from sao_actor_learner.models.hf_tokenizer import HFTokenizer, make_tokenizer_config_portable
+from sao_actor_learner.models.lora import merged_state_dict
 from sao_actor_learner.models.model_dir import (CHAR_TOKENIZER_FILE, ModelDirError,
                                                 check_model_dir)
 from sao_actor_learner.models.tokenizer import CharTokenizer
@@ -111,9 +112,10 @@ def tied_parameter_names(model: torch.nn.Module) -> Set[str]:
 
 def sync_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """The state dict that weight sync sends: the model's, tied duplicates left out (their
-    names are the ones a saved checkpoint leaves out too)."""
+    names are the ones a saved checkpoint leaves out too), LoRA adapters merged into their base
+    weights under the base model's names (models/lora.py: engines never see an adapter)."""
     tied = tied_parameter_names(model)
-    return {k: v for k, v in model.state_dict().items() if k not in tied}
+    return {k: v for k, v in merged_state_dict(model).items() if k not in tied}
 
 
 def load_sync_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -41,6 +41,7 @@ class TableStatus(NamedTuple):
     max_size: int
     samples_per_insert: float
     max_diff: float
+    inserts: int = 0     # items ever inserted (the rate limiter's count; a reset zeroes it)
 
     @property
     def insert_capacity(self) -> int:
@@ -178,7 +179,7 @@ def connect(client_or_address: Union[str, Any]) -> ReplayClient:
 # --- TableInfo, decoded without the TensorFlow-generated proto modules -----------------------
 # Field numbers of reverb/cc/schema.proto (tests/test_replay_client.py checks them against
 # Reverb's own decoding): TableInfo.name 8, max_size 3, rate_limiter_info 5, current_size 7;
-# RateLimiterInfo.samples_per_insert 1, max_diff 3.
+# RateLimiterInfo.samples_per_insert 1, max_diff 3, insert_stats 5; RateLimiterCallStats.completed 2.
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 
@@ -230,4 +231,5 @@ def decode_table_info(proto: bytes) -> TableStatus:
     return TableStatus(name=info.get(8, b"").decode(), current_size=_signed(info.get(7, 0)),
                        max_size=_signed(info.get(3, 0)),
                        samples_per_insert=_double(limiter.get(1)),
-                       max_diff=_double(limiter.get(3)))
+                       max_diff=_double(limiter.get(3)),
+                       inserts=_signed(_fields(limiter.get(5, b"")).get(2, 0)))

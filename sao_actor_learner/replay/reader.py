@@ -29,7 +29,10 @@ learner's journal or a batch. Anything can reach an unauthenticated Reverb port.
 unreachable server as an empty table: it logs and returns [] (after at least 1 s, the shortest
 `ServerInfo` timeout). A fetch that fails (the server went away mid-stream, items in transit
 may be lost) counts in `interruptions` and raises from the next `sample`; so does a server that
-answers again after a gap (it may have restarted and lost its queue).
+answers again after a gap (it may have restarted and lost its queue). With a `loss_detector`
+(replay/loss.py) `sample` also compares the table's counters with what this reader fetched (one
+`ServerInfo` round trip at most every 0.5 s): items that someone else took, or a reset, count
+as an interruption too (and in `lost_to_others`).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ from absl import logging
 
 from sao_actor_learner.replay import item
 from sao_actor_learner.replay.client import connect
+from sao_actor_learner.replay.loss import ReplayLossDetector
 from sao_actor_learner.replay.tables import DEFAULT_TABLE, ITEM_COLUMNS
 from sao_actor_learner.replay.validation import REJECT_REASONS, RolloutVerifier
 from sao_actor_learner.types import Rollout
@@ -52,6 +56,7 @@ _NUM_INFO_TENSORS = 5
 _TABLE_SIZE = 2
 _POLL_START_S = 0.001
 _POLL_MAX_S = 0.01
+_LOSS_CHECK_S = 0.5     # at most this often, sample() checks the table's counters
 
 
 def decode_item(flat: Sequence[np.ndarray]) -> Rollout:
@@ -77,11 +82,14 @@ class RolloutReader:
         journal records it there (learner/journal.py), leaving only the transfer itself as the
         window in which a killed learner loses rollouts.
       verifier: checks every item (see the module docstring); None: trusted input (decode_item).
+      loss_detector: a replay.loss.ReplayLossDetector (items taken by others, resets: the
+        module docstring), or None. Only for the table's one consumer.
     """
 
     def __init__(self, client_or_address: Union[str, Any], table: str = DEFAULT_TABLE,
                  on_fetched: Optional[Callable[[Rollout], None]] = None,
-                 verifier: Optional[RolloutVerifier] = None):
+                 verifier: Optional[RolloutVerifier] = None,
+                 loss_detector: Optional[ReplayLossDetector] = None):
         self._client = connect(client_or_address)
         self._table = table
         self._on_fetched = on_fetched
@@ -97,6 +105,10 @@ class RolloutReader:
         self._unreachable = False
         self._known_left = 0       # the table's size after the last item fetched (_available)
         self.sampled = 0           # rollouts returned by sample()
+        self.fetched = 0           # items taken from the table (refused ones too)
+        self._loss = loss_detector
+        self._loss_check_at = 0.0  # time.monotonic() of the next counter check
+        self.lost_to_others = 0    # items the loss detector found taken by someone else
 
     @property
     def rejected(self) -> Dict[str, int]:
@@ -125,6 +137,7 @@ class RolloutReader:
             raise RuntimeError("RolloutReader.sample() after close()")
         if n == 0:
             return []
+        self._check_for_loss()
         want = max(1, min(int(min_items), n))
         deadline = time.monotonic() + max(0.0, float(timeout_s))
         delay = _POLL_START_S
@@ -157,6 +170,26 @@ class RolloutReader:
             out = [self._buffer.popleft() for _ in range(min(n, len(self._buffer)))]
         self.sampled += len(out)
         return out
+
+    def _check_for_loss(self) -> None:
+        """At most every _LOSS_CHECK_S: the table's counters against what this reader fetched
+        (replay/loss.py); a loss counts as an interruption (the learner starts a loss epoch)."""
+        now = time.monotonic()
+        if self._loss is None or now < self._loss_check_at:
+            return
+        self._loss_check_at = now + _LOSS_CHECK_S
+        with self._cond:
+            fetched = self.fetched            # read first: never ahead of the counters
+        try:
+            status = self._client.table_status(self._table)
+        except Exception:  # noqa: BLE001 - unreachable: _available counts the gap
+            return
+        verdict = self._loss.observe(now, status.inserts, status.current_size, fetched)
+        if verdict is not None:
+            logging.warning("RolloutReader: replay lost items: %s", verdict.why)
+            with self._cond:
+                self.interruptions += 1
+                self.lost_to_others += max(verdict.missing, 0)
 
     def _available(self) -> int:
         """Items the table holds at least: what the last fetch saw left behind it (only this
@@ -211,6 +244,8 @@ class RolloutReader:
                 sampler = self._client.sampler(self._table, k, k)
                 for _ in range(k):
                     sample = sampler.GetNextTrajectory()
+                    with self._cond:
+                        self.fetched += 1
                     left = int(sample[_TABLE_SIZE]) - 1   # the table's size when it was taken
                     rollout = self._decode(sample[_NUM_INFO_TENSORS:])
                     if rollout is None:

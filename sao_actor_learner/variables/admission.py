@@ -87,6 +87,18 @@ class Admission:
         self.started_by_actor[actor_id] = self.started_by_actor.get(actor_id, 0) + granted
         return AdmitDecision(granted, self.started_total, capacity)
 
+    def granted_to(self, actor_id: str) -> int:
+        """Rollouts ever granted to `actor_id` (those of the shared bucket for an id beyond
+        MAX_TRACKED_ACTORS): an upper bound on the rollouts that actor can have made."""
+        if actor_id in self.started_by_actor:
+            return self.started_by_actor[actor_id]
+        return self.started_by_actor.get(OTHER_ACTORS, 0)
+
+    @property
+    def granted_total(self) -> int:
+        """Rollouts ever granted to any actor (released slots included: never decreases)."""
+        return sum(self.started_by_actor.values())
+
     def state(self) -> dict:
         """The counters (JSON-ready); `from_state` restores them."""
         return {"started_total": self.started_total,

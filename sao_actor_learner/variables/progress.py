@@ -11,12 +11,16 @@ consumed for good, trained or dropped: every seq < watermark, and each one in se
 keeps a rollout in its spool until it is acknowledged so; when `loss_epoch` goes up (queued
 rollouts were lost), it re-inserts every spooled rollout not acknowledged.
 
+A report may not name rollouts that cannot exist (`beyond_admitted`): the variable server
+refuses one that acknowledges a seq an actor was never admitted to start, or counts more
+dropped or trained rollouts than were ever admitted.
+
 Pure: no gRPC, no threads.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, Mapping, Tuple
+from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 MAX_ACKS = 4096          # actors named in one report
 MAX_SEQS = 65536         # seqs in one report, all actors together
@@ -74,6 +78,30 @@ class Progress:
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a progress state ({type(e).__name__}: {e}): "
                              f"{state!r:.200}") from None
+
+
+def beyond_admitted(report: Progress, granted_to: Callable[[int], int],
+                    granted_total: int) -> Optional[str]:
+    """Why `report` claims more than actors were ever admitted to start, or None when it does
+    not. Every rollout an actor makes was admitted first, so an actor granted n rollouts uses
+    seqs below n: a report acknowledging seq >= n for it (its watermark above n, or such a seq),
+    or counting more dropped or trained rollouts than were ever granted to all actors, names
+    rollouts that cannot exist. Such a report would make actors forget rollouts they make later
+    (the acknowledgement persists) or lift admission for good (the credit never goes down).
+    `granted_to(actor_id)`: rollouts ever granted to that actor."""
+    for actor_id, ack in report.acks.items():
+        granted = granted_to(actor_id)
+        highest = max(ack.watermark, ack.seqs[-1] + 1 if ack.seqs else 0)
+        if highest > granted:
+            return (f"actor {actor_id}: acknowledges rollouts up to seq {highest - 1} (watermark "
+                    f"{ack.watermark}) but the actor was admitted to start only {granted} "
+                    "(seqs below that): a report may acknowledge only rollouts that were admitted")
+    for name, value in (("dropped_total", report.dropped_total),
+                        ("trained_total", report.trained_total)):
+        if value > granted_total:
+            return (f"{name}={value} exceeds the {granted_total} rollouts ever admitted to all "
+                    "actors")
+    return None
 
 
 def make_progress(version: int, dropped_total: int, trained_total: int, loss_epoch: int,

@@ -6,13 +6,16 @@ every published payload before any client can fetch it.
   UNAUTHENTICATED before its request is read. Clients send it on every call. The program takes
   it from `--auth_token` or the environment variable SAO_AUTH_TOKEN (`resolve_auth_token`); it
   is never written to config.json.
-- Publish and ReportProgress need, in addition, the publisher token (`x-sao-publisher-token`),
-  which the program makes at launch and gives to the learner alone.
+- Publish and ReportProgress need, in addition, the learner token (`x-sao-publisher-token`),
+  held by the variable server and the learner alone, never by actors or the evaluator: made
+  per launch, or $SAO_LEARNER_TOKEN when the learner and the variable server are launched
+  separately (credentials.py). It must differ from the auth token.
 - Binding: services bind 127.0.0.1 unless told otherwise; binding any other address without an
-  auth token is refused (`check_bind`), because then anyone on the network could call them.
-- TLS (optional): with a certificate and key the server listens with TLS only; clients then
-  trust that certificate (or a CA's) as their root (`server_credentials`,
-  `channel_credentials`). Without TLS the token travels in clear text: use TLS off-machine.
+  auth token is refused (`check_bind`), because then anyone on the network could call them,
+  and so is binding it without TLS unless `insecure_transport` says the network is trusted
+  (the tokens would travel in clear text).
+- TLS: with a certificate and key the server listens with TLS only; clients then trust that
+  certificate (or a CA's) as their root (`server_credentials`, `channel_credentials`).
 - Payload check: `SafetensorsValidator` parses a safetensors payload's header (no torch: the
   variable server never imports it) and refuses a version whose tensor names, dtypes or shapes
   differ from the expected manifest (given, or pinned from the first version published), whose
@@ -73,8 +76,11 @@ def is_loopback(host: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
-def check_bind(host: str, auth_token: str, what: str = "a service") -> None:
-    """Raises ValueError when `host` is not a loopback address and there is no usable token."""
+def check_bind(host: str, auth_token: str, what: str = "a service", tls: bool = False,
+               insecure_transport: bool = False) -> None:
+    """Raises ValueError when `host` is not a loopback address and there is no usable token, or
+    no TLS (`tls`) while `insecure_transport` is False: the tokens would cross the network in
+    clear text."""
     if is_loopback(host):
         return
     if not auth_token:
@@ -87,6 +93,13 @@ def check_bind(host: str, auth_token: str, what: str = "a service") -> None:
             f"the auth token has {len(auth_token)} characters: use at least "
             f"{MIN_AUTH_TOKEN_CHARS} random ones (e.g. `python -c 'import secrets; "
             "print(secrets.token_hex(16))'`) when binding a non-loopback address")
+    if not tls and not insecure_transport:
+        raise ValueError(
+            f"bind_host={host!r} without TLS: {what} would receive the auth token and the "
+            "learner token in clear text, readable by anyone on the network path (who could "
+            "then fetch weights, or with the learner token publish them); give --tls_cert and "
+            "--tls_key (a certificate for this address), or pass --insecure_transport on a "
+            "network you trust")
 
 
 def read_file_bytes(path: str, what: str) -> bytes:

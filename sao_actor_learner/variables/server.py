@@ -9,8 +9,10 @@ rollouts the learner consumed.
 
 Every request is parsed by hand from raw bytes (rpc.py), so a malformed one gets a gRPC status
 naming what was wrong, and no bad request can stop the server. With an `auth_token` every call
-must carry it (security.py); binding a non-loopback host without one is refused; TLS is
-optional. Publish and ReportProgress also need the publisher token.
+must carry it (security.py); binding a non-loopback host without one, or without TLS unless
+`insecure_transport`, is refused. Publish and ReportProgress also need the learner (publisher)
+token. A report or publish may not claim more than actors were admitted to start
+(progress.beyond_admitted): a report that does is refused, a publish's credit is capped.
 
 With a `state_path`, the admission counters, the newest published version number and the
 latest progress report survive a restart: they are written there (state_file.py) whenever they
@@ -32,9 +34,11 @@ from absl import logging
 from sao_actor_learner import core
 from sao_actor_learner.protos_gen import variables_pb2
 from sao_actor_learner.variables.admission import Admission
-from sao_actor_learner.variables.progress import MAX_ACKS, Progress, make_progress
+from sao_actor_learner.variables.progress import (MAX_ACKS, Progress, beyond_admitted,
+                                                  make_progress)
 from sao_actor_learner.variables.rpc import Abort, check_auth, check_publisher, parse, serve
-from sao_actor_learner.variables.security import PUBLISHER_TOKEN_METADATA_KEY, check_bind
+from sao_actor_learner.variables.security import (PUBLISHER_TOKEN_METADATA_KEY, check_bind,
+                                                  is_loopback)
 from sao_actor_learner.variables.shm import (DEFAULT_SHM_DIR, remove_if_empty, sweep_dead_runs,
                                              writer_root)
 from sao_actor_learner.variables.state_file import StateFile
@@ -70,6 +74,11 @@ class VariableServer(core.Worker):
       auth_token: the shared secret every call must send in metadata `x-sao-auth-token`; ""
         accepts calls without one (allowed only when `host` is a loopback address).
       tls_cert_chain, tls_private_key: PEM bytes; with both, the server listens with TLS only.
+      insecure_transport: allow a non-loopback `host` without TLS (tokens in clear text; a
+        warning is logged).
+      bound_progress: refuse a progress report that claims more than actors were admitted to
+        start, and cap a publish's credit at that (progress.beyond_admitted); False accepts
+        any report (a test of the merge rules without actors).
       validate_payload: called as validate_payload(version, payload, format) once a publish
         has arrived whole with correct checksums; raising ValueError refuses the version
         (INVALID_ARGUMENT with its message) and the previous one stays visible.
@@ -98,6 +107,8 @@ class VariableServer(core.Worker):
                  auth_token: str = "",
                  tls_cert_chain: Optional[bytes] = None,
                  tls_private_key: Optional[bytes] = None,
+                 insecure_transport: bool = False,
+                 bound_progress: bool = True,
                  validate_payload: Optional[Callable[[int, memoryview, str], None]] = None,
                  state_path: Optional[str] = None,
                  state_fsync: bool = True,
@@ -113,9 +124,10 @@ class VariableServer(core.Worker):
                 "fits in a gRPC message; raise max_message_bytes or lower chunk_bytes")
         if max_workers < 2:
             raise ValueError(f"max_workers={max_workers}: must be >= 2")
-        check_bind(host, auth_token, "the variable server")
         if (tls_cert_chain is None) != (tls_private_key is None):
             raise ValueError("tls_cert_chain and tls_private_key: give both (TLS) or neither")
+        check_bind(host, auth_token, "the variable server", tls=tls_cert_chain is not None,
+                   insecure_transport=insecure_transport)
         self._admission = Admission(batch_size, max_staleness, admission_control)
         self._store = VersionStore(keep_versions, max_payload_bytes, validate_payload, shm_root)
         self._shm_root = shm_root
@@ -124,6 +136,7 @@ class VariableServer(core.Worker):
         self._requested_port = port
         self._host = host
         self._publisher_token = publisher_token
+        self._bound_progress = bound_progress
         self._max_message_bytes = max_message_bytes
         self._chunk_bytes = chunk_bytes
         self._max_workers = max_workers
@@ -168,6 +181,10 @@ class VariableServer(core.Worker):
             server, bound = serve(self._make_handler(), self._host, self._requested_port,
                                   self._tls, self._max_workers, self._max_message_bytes)
             self._server, self._bound_port = server, bound
+            if self._tls is None and not is_loopback(self._host):
+                logging.warning("VariableServer on %s: INSECURE TRANSPORT (--insecure_transport):"
+                                " no TLS on a non-loopback address, so the auth and learner "
+                                "tokens cross the network in clear text", self.address)
             if not self._publisher_token:
                 logging.warning("VariableServer on %s has no publisher_token: anyone who can "
                                 "reach the port may publish weights", self.address)
@@ -295,8 +312,10 @@ class VariableServer(core.Worker):
                  context: grpc.ServicerContext) -> variables_pb2.PublishReply:
         check_publisher(context, self._publisher_token, "Publish")
         record, _ = self._store.receive(chunks)
-        with self._lock:
-            changed = self._admission.add_credit(record.dropped_total)
+        with self._lock:   # the credit is capped at what was ever admitted (beyond_admitted)
+            credit = min(record.dropped_total, self._admission.granted_total) \
+                if self._bound_progress else record.dropped_total
+            changed = self._admission.add_credit(credit)
             if record.version > self._published_version:
                 self._published_version, changed = record.version, True
             snapshot = self._snapshot_locked() if changed else None
@@ -362,6 +381,11 @@ class VariableServer(core.Worker):
         except ValueError as e:
             raise Abort(_INVALID, f"ReportProgress {e}") from None
         with self._lock:
+            a = self._admission
+            why = beyond_admitted(report, lambda actor: a.granted_to(str(actor)),
+                                  a.granted_total) if self._bound_progress else None
+            if why is not None:
+                raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"ReportProgress refused: {why}")
             stored = self._progress
             merged = stored.merged(report) if stored is not None else report
             identical = merged == stored
