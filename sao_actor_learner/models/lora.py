@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -113,18 +112,8 @@ def match_target_modules(patterns: Sequence[str], names: Sequence[str]) -> List[
     otherwise silently train fewer layers), and when `patterns` is empty."""
     if not patterns:
         raise ValueError("lora_target_modules is empty: give at least one pattern")
-    for pat in patterns:
-        try:
-            re.compile(pat)
-        except re.error as e:
-            raise ValueError(f"lora_target_modules entry {pat!r} is not a regex: {e}") from None
-    matched, used = [], set()
-    for name in names:
-        hits = [pat for pat in patterns if re.search(pat, name)]
-        if hits:
-            matched.append(name)
-            used.update(hits)
-    unused = [p for p in patterns if p not in used]
+    from sao_actor_learner.models.value import match_name_patterns
+    matched, unused = match_name_patterns(patterns, names, "lora_target_modules")
     if unused:
         raise ValueError(f"lora_target_modules {unused} match no linear layer of the policy "
                          "(the LM head and embeddings cannot be adapted); its linear layers "

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from typing import Iterable, List, Sequence
+from typing import Iterable, List, Sequence, Tuple
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -123,22 +123,29 @@ class ValueModel(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
 
-def match_frozen_patterns(patterns: Sequence[str], names: Sequence[str]) -> List[str]:
-    """The names any regex of `patterns` matches (re.search). Raises ValueError naming every
-    pattern that matches nothing (a typo would otherwise silently train attention) or is not a
-    valid regex."""
-    matched, used = [], set()
+def match_name_patterns(patterns: Sequence[str], names: Sequence[str],
+                        flag: str) -> Tuple[List[str], List[str]]:
+    """(the `names` any regex of `patterns` matches (re.search), in their order; the patterns
+    that match none). Raises ValueError naming `flag` for a pattern that is not a regex."""
     for pat in patterns:
         try:
             re.compile(pat)
         except re.error as e:
-            raise ValueError(f"critic_frozen_patterns entry {pat!r} is not a regex: {e}") from None
+            raise ValueError(f"{flag} entry {pat!r} is not a regex: {e}") from None
+    matched, used = [], set()
     for name in names:
         hits = [pat for pat in patterns if re.search(pat, name)]
         if hits:
             matched.append(name)
             used.update(hits)
-    unused = [p for p in patterns if p not in used]
+    return matched, [p for p in patterns if p not in used]
+
+
+def match_frozen_patterns(patterns: Sequence[str], names: Sequence[str]) -> List[str]:
+    """The names any regex of `patterns` matches (re.search). Raises ValueError naming every
+    pattern that matches nothing (a typo would otherwise silently train attention) or is not a
+    valid regex."""
+    matched, unused = match_name_patterns(patterns, names, "critic_frozen_patterns")
     if unused:
         raise ValueError(f"critic_frozen_patterns {unused} match no critic parameter; the "
                          f"critic's parameters are named like {list(names)[:6]}: fix or drop "
