@@ -115,3 +115,16 @@ def test_generation_ids_need_an_eos():
     Config.eos_token_id = None
     with pytest.raises(GGUFConversionError, match="names no eos token"):
         generation_config_of(Tok(), Config())
+
+
+def test_a_folder_that_is_not_an_earlier_conversion_is_never_replaced(tmp_path):
+    from sao_actor_learner.models.gguf_convert import SOURCE_FILE, convert_gguf
+    mine = tmp_path / "my_models"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(GGUFConversionError, match="not an earlier conversion"):
+        convert_gguf(str(tmp_path / "missing.gguf"), str(mine))
+    assert (mine / "notes.txt").read_text() == "mine"
+    (mine / SOURCE_FILE).write_text("{}")            # an earlier conversion: may be replaced,
+    with pytest.raises(GGUFConversionError, match="no such file"):   # so the GGUF is read next
+        convert_gguf(str(tmp_path / "missing.gguf"), str(mine))
