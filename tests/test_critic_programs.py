@@ -119,3 +119,16 @@ def test_a_missing_heldout_file_fails_before_launch(warm_start, tmp_path):
                        run_dir=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match="critic_heldout_file"):
         check_before_launch(config)
+
+
+def test_pretraining_never_replaces_a_folder_it_did_not_make(tmp_path):
+    from sao_actor_learner.config import ConfigError, SAOConfig
+    from sao_actor_learner.critic import fit as fit_lib
+    from sao_actor_learner.critic.pretrain import pretrain_critic
+    mine = tmp_path / "my_critic"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="--out_dir: .* a folder this project did not make"):
+        pretrain_critic(SAOConfig(), str(mine), prompts=4, samples=2,
+                        settings=fit_lib.FitSettings(), lr=1e-3)
+    assert (mine / "notes.txt").read_text() == "mine"

@@ -117,14 +117,16 @@ def test_generation_ids_need_an_eos():
         generation_config_of(Tok(), Config())
 
 
-def test_a_folder_that_is_not_an_earlier_conversion_is_never_replaced(tmp_path):
-    from sao_actor_learner.models.gguf_convert import SOURCE_FILE, convert_gguf
+def test_a_folder_this_project_did_not_make_is_never_replaced(tmp_path):
+    from sao_actor_learner.config import ConfigError
+    from sao_actor_learner.models.gguf_convert import convert_gguf
+    from sao_actor_learner.run_dirs import mark_owned
     mine = tmp_path / "my_models"
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
-    with pytest.raises(GGUFConversionError, match="not an earlier conversion"):
+    with pytest.raises(ConfigError, match="--out_dir: .* a folder this project did not make"):
         convert_gguf(str(tmp_path / "missing.gguf"), str(mine))
     assert (mine / "notes.txt").read_text() == "mine"
-    (mine / SOURCE_FILE).write_text("{}")            # an earlier conversion: may be replaced,
+    mark_owned(str(mine))                            # an earlier conversion: may be replaced,
     with pytest.raises(GGUFConversionError, match="no such file"):   # so the GGUF is read next
         convert_gguf(str(tmp_path / "missing.gguf"), str(mine))

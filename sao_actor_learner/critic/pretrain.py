@@ -47,6 +47,8 @@ def pretrain_critic(config, out_dir: str, prompts: int, samples: int,
     from sao_actor_learner.critic.probe import distinct_prompts
     from sao_actor_learner.learner.estimators import CriticGAE
 
+    from sao_actor_learner.run_dirs import check_clearable, mark_owned
+    check_clearable(out_dir, "--out_dir")    # before the work: only a folder we made is replaced
     t0 = time.time()
     engine = make_engine(config, "actor_0")
     task = make_task(config, tokenizer=engine.tokenizer)
@@ -90,6 +92,7 @@ def pretrain_critic(config, out_dir: str, prompts: int, samples: int,
     }
     with open(os.path.join(tmp, REPORT_FILE), "w") as f:
         json.dump(report, f, indent=1)
+    mark_owned(tmp)    # a later pretraining may replace it; nothing else is replaced
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)

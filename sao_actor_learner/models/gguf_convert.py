@@ -199,18 +199,6 @@ def probe_logits_difference(model_a, model_b, tokenizer) -> float:
     return float((a - b).abs().max())
 
 
-def check_replaceable(out_dir: str) -> None:
-    """The conversion replaces `out_dir` only when it is absent, empty, or an earlier conversion
-    (it holds SOURCE_FILE): anything else is the user's and is never deleted."""
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and \
-            not os.path.exists(os.path.join(out_dir, SOURCE_FILE)):
-        raise GGUFConversionError(f"{out_dir}: the folder holds files that are not an earlier "
-                                  f"conversion (no {SOURCE_FILE}); it would be replaced: give an "
-                                  "empty or new --out_dir")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise GGUFConversionError(f"{out_dir}: a file, not a folder: give a new --out_dir")
-
-
 def convert_gguf(gguf_path: str, out_dir: str, tolerance: float = 1e-4) -> Dict[str, Any]:
     """Converts the GGUF file (or the directory holding one) `gguf_path` into the model
     directory `out_dir` (module docstring) and returns what gguf_source.json records."""
@@ -219,7 +207,8 @@ def convert_gguf(gguf_path: str, out_dir: str, tolerance: float = 1e-4) -> Dict[
 
     from sao_actor_learner.models.hf_tokenizer import HFTokenizer
 
-    check_replaceable(out_dir)
+    from sao_actor_learner.run_dirs import check_clearable, mark_owned
+    check_clearable(out_dir, "--out_dir")    # only a folder this project made is replaced
     path = find_gguf_file(gguf_path)
     header = check_gguf_file(path)
     gguf_model, hf_tokenizer = load_gguf(path)
@@ -247,6 +236,7 @@ def convert_gguf(gguf_path: str, out_dir: str, tolerance: float = 1e-4) -> Dict[
               "probe_max_abs_logit_difference": difference}
     with open(os.path.join(partial, SOURCE_FILE), "w") as f:
         json.dump(record, f, indent=2)
+    mark_owned(partial)
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.rename(partial, out_dir)
