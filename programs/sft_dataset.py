@@ -6,7 +6,7 @@
 
 Loads the model and tokenizer with AutoModelForCausalLM / AutoTokenizer, trains on the
 (prompt messages, response) rows of --sft_files through the chat template with the loss on the
-response tokens only (programs/workloads/chat_sft.py has the rendering contract and the
+response tokens only (experiments/workloads/chat_sft.py has the rendering contract and the
 recipe), evaluates on the first --eval_size rows of --eval_files (verl's schema: `prompt`,
 `reward_model.ground_truth`), and writes the trained directory with save_pretrained (weights,
 config, tokenizer, generation config) plus `warm_start.json` with the held-out numbers and
@@ -14,8 +14,8 @@ the settings. The directory is a `--model` for programs/sao.py.
 
 The defaults are the gsm_tiny recipe: 1200 steps of 16 demonstrations at lr 2e-3 give a tiny
 Qwen3 of 1.4M parameters that is right on most problems without a "gives" step and wrong on
-most with one, because the demonstrations add where they should subtract (README, "Train your
-own model"; programs/workloads/word_problems.py).
+most with one, because the demonstrations add where they should subtract (docs/USAGE.md
+section 2, "The tested tiny equivalent"; experiments/workloads/word_problems.py).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def main(argv) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from programs.workloads import chat_sft
+    from experiments.workloads import chat_sft
     from sao_actor_learner.tasks.dataset_files import read_rows
 
     torch.set_num_threads(FLAGS.threads)

@@ -1,11 +1,12 @@
-"""The reproduction study: the paper's claims and the referee's points, with seeds and 95% CIs.
+"""Every study and sweep: the reproduction study of the paper's claims and the referee's points
+(seeds, 95% CIs), and the staleness, value-pretraining and online-shift sweeps.
 
   python programs/study.py --preset=all --workers=2 --out_dir=runs/study \
       --results_dir=results/study                                                  # ~85 min
   python programs/study.py --preset=single_rollout --out_dir=runs/study
   python programs/study.py --preset=smoke --out_dir=/tmp/study                        # ~1 min
 
-Presets (programs/studies/presets.py):
+Presets (experiments/studies/presets.py):
   single_rollout  SAO B x 1; GRPO (B/G) x G (same rollouts per step); GRPO B x G (same
                   distinct prompts); critic-free B x 1 with a running-mean baseline (the
                   referee's control); SAO (B/G) x G. Held-out accuracy vs steps, rollouts and
@@ -27,6 +28,20 @@ Presets (programs/studies/presets.py):
   smoke           2 variants x 3 seeds x 2 steps on the arithmetic task: output format only.
 A comma-separated list of study names also works.
 
+Sweep presets (experiments/sweep_presets/; each runs alone, --size=smoke|full picks its grid and
+run size, a flag given on the command line wins; outputs straight in --out_dir, copied to
+--results_dir):
+  staleness_sweep       --methods x --shapes x --staleness (--staleness_mode) x --seeds:
+                        results.csv, reward_vs_step.png, drift_vs_staleness.png
+                        (default --out_dir=runs/staleness_sweep)
+  value_pretrain_sweep  --method, --shape, --pretrain_rollouts x --seeds: results.csv,
+                        value_pretrain.png (default --out_dir=runs/value_pretrain)
+  online_shift_sweep    task=online_shift, --methods x --shapes x --seeds, --window,
+                        --recover_fraction: results.csv, recovery.csv, online_shift.png
+                        (default --out_dir=runs/online_shift)
+
+  python programs/study.py --preset=staleness_sweep --size=smoke --out_dir=/tmp/sweep  # ~1 min
+
 The dataset studies need the GSM8K-style workload: data/gsm_tiny/{train,test}.parquet and the
 SFT warm start checkpoints/warm_start_dataset (the Makefile's dataset workload target; other
 paths: --dataset_dir, --dataset_model); the gae study checkpoints/warm_start_calculator_tool
@@ -34,14 +49,14 @@ paths: --dataset_dir, --dataset_model); the gae study checkpoints/warm_start_cal
 Every other SAOConfig field is a flag; a flag given on the command line applies to every run
 of every study named (and so makes new cells).
 
---workers=N runs N cells at once, each in a process of its own (programs/studies/pool.py; a
+--workers=N runs N cells at once, each in a process of its own (experiments/studies/pool.py; a
 local_mt cell keeps about one core busy), then builds the tables as a one-at-a-time run would.
 Resumable: every run is a folder <out_dir>/runs/<cell> and a cell whose folder holds a
 summary.json made by the same config is never run again, whichever study asked for it; run the
 same command again after an interruption. Outputs per study in <out_dir>/<study>/ (copied to
 <results_dir>/<study>/): results.csv, curves.csv, summary.csv, comparisons.csv, summary.md,
 study.json (sizes, durations of every invocation), invocations.jsonl and PNG figures
-(programs/studies/presets.py and plots.py describe them).
+(experiments/studies/presets.py and plots.py describe them).
 """
 import dataclasses
 import json
@@ -54,44 +69,92 @@ from absl import app, flags
 # Runnable as a script from the repository root without installation (programs.*).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from programs import sweeps  # noqa: E402
-from programs.studies import plots as study_plots  # noqa: E402
-from programs.studies import pool as study_pool  # noqa: E402
-from programs.studies import presets as studies  # noqa: E402
-from programs.studies import tables as study_tables  # noqa: E402
+from experiments import sweeps  # noqa: E402
+from experiments import sweep_presets  # noqa: E402
+from experiments.studies import plots as study_plots  # noqa: E402
+from experiments.studies import pool as study_pool  # noqa: E402
+from experiments.studies import presets as studies  # noqa: E402
+from experiments.studies import tables as study_tables  # noqa: E402
 from sao_actor_learner.builder import make_program  # noqa: E402
 from sao_actor_learner.config import ConfigError, SAOConfig  # noqa: E402
 from sao_actor_learner.flags import config_from_flags, define_flags_from_dataclass  # noqa: E402
 from sao_actor_learner.preflight import check_before_launch  # noqa: E402
 from sao_actor_learner.run import run_program  # noqa: E402
 
-# Each cell sets these (sweeps.Cell.config).
-GRID_FIELDS = ("algorithm", "policy_loss", "batch_size", "group_size", "max_staleness",
-               "forced_staleness", "seed", "run_dir")
-define_flags_from_dataclass(SAOConfig, skip=GRID_FIELDS)
+# Every study and sweep cell sets these (sweeps.Cell.config); the studies also max_staleness,
+# each sweep preset its own (sweep_presets.refused_flags).
+define_flags_from_dataclass(SAOConfig, skip=sweep_presets.ALWAYS_CELL_FIELDS)
 flags.DEFINE_string("preset", "all", "A study (" + ", ".join(studies.STUDIES) + "), a comma-"
-                    "separated list of them, or all.")
-flags.DEFINE_string("out_dir", "runs/study", "Where runs/ and each study's outputs go.")
+                    "separated list of them, or all; or one sweep ("
+                    + ", ".join(sweep_presets.SWEEPS) + ").")
+flags.DEFINE_string("out_dir", "", "Where runs/ and the outputs go (default: runs/study; a "
+                    "sweep's own: runs/staleness_sweep, runs/value_pretrain, runs/online_shift).")
 flags.DEFINE_string("results_dir", "", "Also copy each study's CSV, JSON, Markdown and PNG "
-                    "files to <results_dir>/<study>/ (e.g. results/study).")
-flags.DEFINE_list("seeds", [], "Seeds of every study (default: the study's own, 3 of them).")
+                    "files to <results_dir>/<study>/ (e.g. results/study); a sweep's CSV and "
+                    "PNG files to <results_dir>/.")
+flags.DEFINE_list("seeds", [], "Seeds of every study (default: the study's own, 3 of them) "
+                  "or of the sweep (default: its --size's).")
 flags.DEFINE_string("dataset_dir", studies.DATASET_DIR, "The dataset studies' data: "
                     "train.parquet and test.parquet in verl's schema.")
 flags.DEFINE_string("dataset_model", studies.DATASET_MODEL, "The dataset studies' warm start "
                     "(a Hugging Face model directory).")
 flags.DEFINE_integer("workers", 1, "Cells run at once, each in its own process "
-                     "(programs/studies/pool.py): a local_mt cell keeps about one core busy, so "
+                     "(experiments/studies/pool.py): a local_mt cell keeps about one core busy, so "
                      "2 on a 2-core machine.", lower_bound=1)
 flags.DEFINE_bool("progress", True, "Show progress.")
+# The sweep presets' flags (their defaults: the --size's values).
+flags.DEFINE_enum("size", "full", ["smoke", "full"], "A sweep preset's grid and run size; "
+                  "explicit flags win.")
+flags.DEFINE_list("methods", [], "staleness_sweep, online_shift_sweep: methods to compare "
+                  "(sweeps.METHODS).")
+flags.DEFINE_list("shapes", [], "staleness_sweep, online_shift_sweep: batch shapes "
+                  "PROMPTSxGROUP (GRPO skips G=1).")
+flags.DEFINE_list("staleness", [], "staleness_sweep: staleness values (k, or max_staleness).")
+flags.DEFINE_enum("staleness_mode", "forced", ["forced", "limit"], "staleness_sweep: forced: "
+                  "every rollout exactly k stale; limit: max_staleness only.")
+flags.DEFINE_list("pretrain_rollouts", [], "value_pretrain_sweep: value_pretrain_rollouts "
+                  "values (the budgets).")
+flags.DEFINE_string("method", "sao", "value_pretrain_sweep: a method with a critic "
+                    "(sweeps.METHODS).")
+flags.DEFINE_string("shape", "", "value_pretrain_sweep: batch shape PROMPTSxGROUP.")
+flags.DEFINE_integer("window", 5, "online_shift_sweep: steps averaged for the pre-shift level "
+                     "and recovery.")
+flags.DEFINE_float("recover_fraction", 0.9, "online_shift_sweep: recovered at this fraction of "
+                   "the pre-shift level.")
 FLAGS = flags.FLAGS
+STUDY_OUT_DIR = "runs/study"
 
 
 def study_names(preset: str):
     names = list(studies.FULL) if preset == "all" else [n.strip() for n in preset.split(",")]
     for n in names:
+        if n in sweep_presets.SWEEPS:
+            raise ConfigError(f"preset={n!r} is a sweep: it runs alone (--preset={n})")
         if n not in studies.STUDIES:
-            raise ConfigError(f"preset={n!r}: must be one of {', '.join(studies.STUDIES)} or all")
+            raise ConfigError(f"preset={n!r}: must be one of {', '.join(studies.STUDIES)}, all, "
+                              f"or a sweep ({', '.join(sweep_presets.SWEEPS)})")
     return names
+
+
+def check_given_flags(sweep) -> None:
+    """A flag on the command line that the preset does not read fails (it would be ignored)."""
+    given = [name for name in FLAGS if FLAGS[name].present]
+    refused = sweep_presets.refused_flags(sweep, given)
+    if refused:
+        what = f"the {sweep.name} preset" if sweep else "a study"
+        raise ConfigError(f"{what} does not take {', '.join('--' + n for n in refused)}: it "
+                          "sets it per run or does not read it (see --helpfull)")
+
+
+def run_sweep(sweep) -> None:
+    """A sweep preset: its --size's flags (unless given), then its grid, files and table."""
+    try:
+        check_given_flags(sweep)
+        sweeps.apply_preset(FLAGS, sweep.sizes[FLAGS.size])
+        sweep.run(FLAGS, lambda config: run_program(config, make_program,
+                                                    progress=FLAGS.progress))
+    except ConfigError as e:
+        sys.exit(f"invalid configuration: {e}")
 
 
 def base_config(base_overrides) -> SAOConfig:
@@ -204,7 +267,7 @@ def run_study(study, plans, earlier_cells, ran_side_by_side=frozenset(),
         "elapsed_s_all_invocations": sum(h["elapsed_s"] for h in history),
         "cells_run_all_invocations": sum(h["cells_run_now"] for h in history),
         "bases": {b.task: json.loads(b.to_json()) for b, _ in plans},
-        # one Holm family per metric (programs/studies/tables.py), the primary metric first
+        # one Holm family per metric (experiments/studies/tables.py), the primary metric first
         "primary_metric": study_tables.PRIMARY_METRIC,
         "comparison_families": study_tables.families(comps),
     }
@@ -239,7 +302,14 @@ def run_side_by_side(configs, chosen) -> float:
 
 def main(argv):
     del argv
+    sweep = sweep_presets.SWEEPS.get(FLAGS.preset.strip())
+    if not FLAGS.out_dir:
+        FLAGS.out_dir = sweep.out_dir if sweep else STUDY_OUT_DIR
+    if sweep is not None:
+        run_sweep(sweep)
+        return
     try:
+        check_given_flags(None)
         names = study_names(FLAGS.preset)
         chosen = []
         for n in names:

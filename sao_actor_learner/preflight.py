@@ -32,6 +32,7 @@ import sys
 from typing import Dict
 
 from sao_actor_learner.config import ConfigError, SAOConfig
+from sao_actor_learner.learner import registry
 from sao_actor_learner.models.model_dir import (CHAR_TOKENIZER_FILE, ModelDirError,
                                                 check_critic_dir, check_model_dir)
 from sao_actor_learner.observers.trackers import check_trackers
@@ -51,7 +52,7 @@ def needs_model_checks(config: SAOConfig) -> bool:
     """Whether the subprocess checks apply (see the module docstring)."""
     char_checkpoint = os.path.exists(os.path.join(config.model, CHAR_TOKENIZER_FILE))
     return (config.task == "dataset" or not char_checkpoint or bool(config.critic_model) or
-            config.lora_rank > 0 or (config.algorithm == "sao" and
+            config.lora_rank > 0 or (config.algorithm in registry.CRITIC_ALGORITHMS and
              tuple(config.critic_frozen_patterns) != tuple(DEFAULT_FROZEN_PATTERNS)))
 
 
@@ -109,7 +110,7 @@ def model_checks(config: SAOConfig) -> Dict:
                           f"ids but config.json's vocab_size is {rows}: they do not belong "
                           "together")
     stats["tokenizer_vocab_size"] = tokenizer.vocab_size
-    if config.algorithm == "sao":
+    if config.algorithm in registry.CRITIC_ALGORITHMS:
         source = config.critic_model or config.model
         try:
             match_frozen_patterns(config.critic_frozen_patterns, critic_parameter_names(source))

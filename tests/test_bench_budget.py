@@ -1,6 +1,6 @@
 """vs_trl.py --mode=budget: equal wall-clock budgets, accuracy-vs-time curves.
 
-The curve math (programs/benchmarks/budget_curves.py) is checked against slow grid versions on
+The curve math (experiments/benchmarks/budget_curves.py) is checked against slow grid versions on
 random step functions; the report (summary, targets, staleness table) on synthetic runs. The
 smoke test runs the budget mode for real on tiny settings (TRL and SAO disaggregated: real
 processes, the recorder node, the post-hoc evaluation) and checks only the output's format:
@@ -18,7 +18,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-from programs.benchmarks import budget_curves as bc  # noqa: E402
+from experiments.benchmarks import budget_curves as bc  # noqa: E402
 from programs.benchmarks import vs_trl_budget as vb  # noqa: E402
 
 TRL_PYTHON = os.path.join(REPO, ".venv-trl", "bin", "python")
@@ -113,6 +113,7 @@ def test_budget_mode_smoke_prints_a_table_a_plot_and_one_json_line(warm_start, t
            "--sao_max_steps=200", "--trl_group_sizes=2", "--trl_lrs=1e-4", "--trl_threads=1",
            "--trl_max_steps=400", "--sao_layouts=disaggregated",
            "--sao_extra_flags=--actor_batch=4", "--stall_timeout_s=400",
+           "--sao_critic_model=",   # not this checkout's own checkpoints/critic_dataset
            "--subprocess_timeout_s=500", f"--out={out}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

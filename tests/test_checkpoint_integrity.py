@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from sao_actor_learner import core
 from sao_actor_learner.builder import assemble_learner, setup_process
 from sao_actor_learner.config import SAOConfig
 from sao_actor_learner.learner import journal as journal_lib
@@ -94,11 +95,11 @@ def test_the_journal_keeps_the_segments_the_previous_checkpoint_needs(tmp_path, 
         ResumePoint(root)
 
 
-class _ListReader:
+class _ListReader(core.RolloutSource):
     def __init__(self, items=()):
         self.items = list(items)
 
-    def sample(self, n, timeout_s, min_items=1):
+    def sample(self, n, timeout_s):
         got, self.items = self.items[:n], self.items[n:]
         return got
 
@@ -117,21 +118,22 @@ def test_a_failed_journal_write_is_an_error_not_lost_records(tmp_path, monkeypat
     with pytest.raises(OSError, match="could not be written"):
         journal.record([3])                    # nothing is appended after a torn record
     # A fetch thread's journal failure stops the learner's sampling instead of a retry.
-    source = JournaledReader(lambda on_fetched: _FailingFetchReader(on_fetched), journal)
+    source = JournaledReader.at_fetch(lambda on_fetched: _FailingFetchReader(on_fetched),
+                                     journal)
     with pytest.raises(OSError, match="could not be written"):
         source.sample(1, 0.1)
     journal.close()
     assert read_segment(segment_path(str(tmp_path / "journal"), 0))[0] == [[1]]
 
 
-class _FailingFetchReader:
+class _FailingFetchReader(core.RolloutSource):
     """A reader factory whose fetch thread hands each rollout to on_fetched (which fails) and
     then reports the failure from sample(), as RolloutReader does."""
 
     def __init__(self, on_fetched):
         self.on_fetched = on_fetched
 
-    def sample(self, n, timeout_s, min_items=1):
+    def sample(self, n, timeout_s):
         try:
             self.on_fetched(99)
         except OSError as e:
@@ -162,11 +164,11 @@ def _rollout(i, version):
                    prompt_id=i, actor_id=0, seq=i)
 
 
-class _StreamReader:
+class _StreamReader(core.RolloutSource):
     def __init__(self, stream, position=0):
         self.stream, self.position, self.calls = stream, position, 0
 
-    def sample(self, n, timeout_s, min_items=1):
+    def sample(self, n, timeout_s):
         piece = (3, 1, 4, 2)[self.calls % 4]
         self.calls += 1
         got = self.stream[self.position:self.position + min(n, piece)]

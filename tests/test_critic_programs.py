@@ -85,7 +85,7 @@ def test_pretrained_critic_directory_loads_as_critic_model(critic_dir):
 
 
 def test_the_learner_measures_its_critic_on_the_directory_heldout_rollouts(critic_dir):
-    from sao_actor_learner.builder import _critic_yardstick
+    from sao_actor_learner.learner_builder import _critic_yardstick
     from sao_actor_learner.learner import distributed
     out, report, warm_start = critic_dir
     config = SAOConfig(task="arithmetic", init_checkpoint=warm_start, critic_model=out,

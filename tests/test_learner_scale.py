@@ -205,7 +205,7 @@ def test_critic_warmup_steps_do_not_bump_the_version():
     stream = [r for s in range(5) for r in rollouts(6, seed=s)]
     learner = learner_for(ListSource(stream), critic_warmup_steps=2, max_steps=3)
     recorder = Recorder()
-    learner._publisher = recorder
+    learner.progress.publisher = recorder
     policy_before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
     versions_seen = []
     original = learner.sampler.sample

@@ -12,7 +12,7 @@ import pytest
 
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.observers import read_metrics
-from programs.benchmarks.generate_log import (make_program_with_generate_log,
+from experiments.benchmarks.generate_log import (make_program_with_generate_log,
                                                       read_generate_calls)
 from sao_actor_learner.run import run_program
 

@@ -141,3 +141,59 @@ def test_the_reader_notices_a_stranger_sampling_and_a_reset():
         reader.close()
     finally:
         server._shutdown()
+
+
+def test_a_group_judges_its_ranks_fetches_together_and_notices_a_stranger():
+    """Two readers of one table (a learner group's ranks) count their fetches in one shared
+    counter: rank 0's detector sees rank 1's fetches as legitimate, and a stranger's as lost."""
+    pytest.importorskip("reverb")
+    import threading
+    import time
+
+    from fault_fixtures import wait_for
+    from sao_actor_learner.replay import ReplayServer, RolloutReader, RolloutWriter, connect
+    from sao_actor_learner.replay.loss import loss_detector
+    from test_replay import MAX_LEN, VOCAB, make_rollout
+
+    assert loss_detector(2.0, judge=False) is None and loss_detector(0.0) is None
+    total, lock = [0], threading.Lock()
+
+    def group_counter(n):   # what ProcessGroup.counter_total("replay_fetched", n) does
+        with lock:
+            total[0] += n
+            return total[0]
+
+    server = ReplayServer(queue_capacity=16).start()
+    try:
+        client = connect(server.address)
+        rank0 = RolloutReader(client, loss_detector=loss_detector(2.0, judge=True),
+                              fetch_counter=group_counter)
+        rank1 = RolloutReader(connect(server.address), loss_detector=loss_detector(2.0, False),
+                              fetch_counter=group_counter)
+        with RolloutWriter(client, max_sequence_length=MAX_LEN, vocab_size=VOCAB) as writer:
+            assert all(r.confirmed for r in writer.write_many(
+                [make_rollout(8 + i, seed=i) for i in range(5)], timeout_s=30.0))
+            assert len(rank0.sample(1, timeout_s=30.0, min_items=1)) == 1
+            assert len(rank1.sample(4, timeout_s=30.0, min_items=4)) == 4
+            # Rank 0 keeps sampling an empty table past its timeout: rank 1's 4 fetches are
+            # no loss.
+            deadline = time.monotonic() + 4.0
+            while time.monotonic() < deadline:
+                rank0.sample(1, timeout_s=0.2)
+            assert rank0.interruptions == 0 and total[0] == rank0.fetched + rank1.fetched == 5
+            assert all(r.confirmed for r in writer.write_many(
+                [make_rollout(8, seed=20 + i) for i in range(3)], timeout_s=30.0))
+            # A stranger takes what it finds (rank 0 may have a fetch waiting in Reverb since
+            # its loop, which takes one of the three first: that one is its own).
+            stranger = RolloutReader(connect(server.address))
+            stolen = stranger.sample(3, timeout_s=5.0, min_items=3)
+            assert 2 <= len(stolen) <= 3
+            wait_for(lambda: rank0.sample(4, timeout_s=0.2) is not None and
+                     rank0.interruptions, timeout=60, what="the theft noticed")
+            assert rank0.lost_to_others == len(stolen) and rank1.interruptions == 0
+            assert total[0] == rank0.fetched + rank1.fetched == 8 - len(stolen)
+            stranger.close()
+        rank0.close()
+        rank1.close()
+    finally:
+        server._shutdown()

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from programs.studies import plots as study_plots
-from programs.studies import presets as studies
+from experiments.studies import plots as study_plots
+from experiments.studies import presets as studies
 from sao_actor_learner.config import SAOConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,8 +107,8 @@ def test_presets_are_well_formed_and_cells_sharing_a_folder_are_one_config():
 
 # --- comparisons: Welch p-values adjusted per family ----------------------------------------
 def test_comparisons_adjust_p_values_within_each_metric_and_mark_the_survivors():
-    from programs.studies import metrics as sm
-    from programs.studies import tables
+    from experiments.studies import metrics as sm
+    from experiments.studies import tables
     assert studies.COMPARISON_COLUMNS[:12] == (   # the original columns, unchanged, come first
         "study", "a", "b", "metric", "n_a", "n_b", "mean_a", "mean_b", "diff", "lo", "hi",
         "verdict")
@@ -274,7 +274,7 @@ def test_smoke_preset_runs_and_resumes_without_rerunning_finished_cells(warm_sta
 
 
 def test_pool_reports_a_failed_cell_by_its_exit_status_and_refuses_shared_folders(tmp_path):
-    from programs.studies import pool
+    from experiments.studies import pool
     bad = SAOConfig(run_dir=str(tmp_path / "runs" / "bad"),
                     init_checkpoint=str(tmp_path / "no_such_checkpoint"))
     with pytest.raises(ValueError, match="share a run_dir"):

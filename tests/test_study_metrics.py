@@ -1,12 +1,12 @@
-"""The reproduction study's pure statistics (programs/studies/metrics.py), each against a
+"""The reproduction study's pure statistics (experiments/studies/metrics.py), each against a
 slow, obvious version written here."""
 import math
 import random
 
 import pytest
 
-from programs.studies import metrics as sm
-from programs import sweeps
+from experiments.studies import metrics as sm
+from experiments import sweeps
 
 
 # --- slow, obvious versions --------------------------------------------------------------------
@@ -191,13 +191,7 @@ def test_collapse_step_dates_a_fall():
 
 
 def test_recovery_against_brute_force_and_online_shift_program():
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "programs"))
-    try:
-        from online_shift import recovery as program_recovery
-    finally:
-        sys.path.pop(0)
+    from experiments.sweep_presets.online_shift import recovery as program_recovery
     rng = random.Random(3)
     for trial in range(200):
         n = rng.randint(6, 40)

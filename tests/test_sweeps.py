@@ -1,5 +1,5 @@
-"""The study programs end to end in --preset=smoke: staleness sweep (resumable), value-pretraining
-sweep and online shift. Real programs in subprocesses: real Reverb, gRPC and a tiny HF model,
+"""The sweep presets of programs/study.py end to end at --size=smoke: staleness sweep
+(resumable), value-pretraining sweep and online shift. Real programs in subprocesses: real Reverb, gRPC and a tiny HF model,
 every node a thread (the smoke presets use local_mt to keep start-up to one process)."""
 import csv
 import os
@@ -8,16 +8,17 @@ import sys
 
 import pytest
 
-from programs import sweeps
+from experiments import sweeps
 from sao_actor_learner.observers import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def run(program, warm_start, out_dir, *args):
+def run(preset, warm_start, out_dir, *args):
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "programs", program), "--preset=smoke",
+        [sys.executable, os.path.join(REPO, "programs", "study.py"), f"--preset={preset}",
+         "--size=smoke",
          f"--init_checkpoint={warm_start}", f"--out_dir={out_dir}", "--progress", *args],
         capture_output=True, text=True, timeout=300, cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
@@ -37,7 +38,7 @@ def assert_png(path):
 
 def test_staleness_sweep_smoke_and_resume(warm_start, tmp_path):
     out = tmp_path / "sweep"
-    stdout = run("staleness_sweep.py", warm_start, out)
+    stdout = run("staleness_sweep", warm_start, out)
     assert "skipped: grpo 4x1" in stdout
     rows = rows_of(out / "results.csv")
     assert [c for c in rows[0]] == list(sweeps.RESULT_COLUMNS)
@@ -60,7 +61,7 @@ def test_staleness_sweep_smoke_and_resume(warm_start, tmp_path):
     assert_png(out / "drift_vs_staleness.png")
     before = {r["run_dir"]: os.path.getmtime(os.path.join(r["run_dir"], "summary.json"))
               for r in rows}
-    again = run("staleness_sweep.py", warm_start, out)
+    again = run("staleness_sweep", warm_start, out)
     assert again.count("done earlier, skipped") == len(rows)
     assert rows_of(out / "results.csv") == rows
     for run_dir, mtime in before.items():
@@ -69,7 +70,7 @@ def test_staleness_sweep_smoke_and_resume(warm_start, tmp_path):
 
 def test_value_pretrain_sweep_smoke(warm_start, tmp_path):
     out = tmp_path / "vp"
-    run("value_pretrain_sweep.py", warm_start, out)
+    run("value_pretrain_sweep", warm_start, out)
     rows = rows_of(out / "results.csv")
     assert sorted(r["value_pretrain_rollouts"] for r in rows) == ["0", "24"]
     for r in rows:
@@ -85,7 +86,7 @@ def test_value_pretrain_sweep_smoke(warm_start, tmp_path):
 
 def test_online_shift_smoke(warm_start, tmp_path):
     out = tmp_path / "shift"
-    stdout = run("online_shift.py", warm_start, out)
+    stdout = run("online_shift_sweep", warm_start, out)
     assert "steps to recover" in stdout
     rows = rows_of(out / "results.csv")
     assert sorted((r["method"], r["batch_shape"]) for r in rows) == [
@@ -100,11 +101,7 @@ def test_online_shift_smoke(warm_start, tmp_path):
 
 
 def test_recovery_counts_steps_until_the_moving_average_is_back():
-    sys.path.insert(0, os.path.join(REPO, "programs"))
-    try:
-        from online_shift import recovery
-    finally:
-        sys.path.pop(0)
+    from experiments.sweep_presets.online_shift import recovery
     rewards = {s: r for s, r in enumerate(
         [0.8, 0.8, 0.8, 0.8, 0.2, 0.4, 0.75, 0.8, 0.3, 0.3, 0.3, 0.3], start=1)}
     evals = {0: 0.5, 2: 0.9, 4: 0.3, 6: 0.85, 8: 0.2, 10: 0.2, 12: 0.1}

@@ -152,7 +152,7 @@ def test_training_across_two_hosts_with_tls_and_tokens(hosts, tmp_path, warm_sta
                 os.killpg(proc.pid, signal.SIGKILL)
 
     # What listens where: on A the variable server on A's veth address only, Reverb on every
-    # interface (it takes no host; README "Security"); on B nothing at all.
+    # interface (it takes no host; docs/OPERATIONS.md section 2); on B nothing at all.
     replay_port, variables_port = int(replay.rsplit(":", 1)[1]), int(variables.rsplit(":", 1)[1])
     assert (a_ip, variables_port) in listening_a
     assert [host for host, port in listening_a if port == variables_port] == [a_ip]

@@ -13,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from programs.workloads import chat_sft, tiny_bpe, word_problems as wp  # noqa: E402
+from experiments.workloads import chat_sft, tiny_bpe, word_problems as wp  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 

@@ -100,7 +100,7 @@ def make_config(mode: str, num_actors: int, actor_batch: int, seed: int, run_dir
 def measure_run(config, summary: dict) -> Dict:
     """The figures of one finished run (module docstring), from its run folder."""
     from sao_actor_learner.observers import read_metrics
-    from programs.benchmarks.generate_log import read_generate_calls
+    from experiments.benchmarks.generate_log import read_generate_calls
 
     train = {r["step"]: r for r in read_metrics(config.run_dir, "train")}
     evals = sorted((r["policy_version"], r["eval_accuracy"])
@@ -136,7 +136,7 @@ def measure_run(config, summary: dict) -> Dict:
 
 def run_one(mode: str, num_actors: int, actor_batch: int, rep: int) -> Dict:
     from sao_actor_learner.run import run_program
-    from programs.benchmarks.generate_log import make_program_with_generate_log
+    from experiments.benchmarks.generate_log import make_program_with_generate_log
     run_dir = os.path.join(FLAGS.out_dir, f"{num_actors}x{actor_batch}_{mode}_r{rep}")
     config = make_config(mode, num_actors, actor_batch, FLAGS.seed + rep, run_dir)
     t = time.time()

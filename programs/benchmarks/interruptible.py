@@ -101,7 +101,7 @@ def make_bench_actor(config, actor_id, replay_address, variables_address, run_di
                      length_mean=24.0, length_tail=1.5, **kwargs):
     """builder.make_actor with heavy-tailed lengths and a generate-call log around its engine."""
     from sao_actor_learner import builder
-    from programs.benchmarks.generate_log import LOG_PREFIX, GenerateLogEngine
+    from experiments.benchmarks.generate_log import LOG_PREFIX, GenerateLogEngine
     path = os.path.join(run_dir or config.run_dir, f"{LOG_PREFIX}{actor_id}.jsonl")
     return builder.make_actor(
         config, actor_id, replay_address, variables_address, run_dir,
@@ -162,7 +162,7 @@ def _lag_hist(calls) -> List[int]:
 def measure_run(config, summary: dict) -> Dict:
     """The figures of one finished run (module docstring), from its run folder."""
     from sao_actor_learner.observers import read_metrics
-    from programs.benchmarks.generate_log import read_generate_calls
+    from experiments.benchmarks.generate_log import read_generate_calls
 
     train = {r["step"]: r for r in read_metrics(config.run_dir, "train")}
     calls = read_generate_calls(config.run_dir)

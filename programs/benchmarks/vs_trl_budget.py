@@ -44,7 +44,7 @@ from typing import Dict, List, Optional
 
 from absl import flags
 
-from programs.benchmarks import budget_curves as bc
+from experiments.benchmarks import budget_curves as bc
 
 FLAGS = flags.FLAGS
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -30,18 +30,17 @@ def evaluate(engine: core.Engine, task: core.Task, prompts: List[core.Prompt],
     """Fraction of `prompts` the engine solves with greedy decoding.
 
     max_turns > 1 (multi-turn tasks, e.g. calculator_tool): whole episodes with the task's
-    environment (actors.rollout.run_episodes); success is `task.episode_success(rollout)`, or a
-    positive total reward for tasks without it.
+    environment (actors.rollout.run_episodes); success is `task.episode_success(rollout)` (by
+    default a positive total reward: core.Task).
     """
     correct = 0
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
         if max_turns > 1:
             from sao_actor_learner.actors.rollout import run_episodes
-            success = getattr(task, "episode_success", lambda r: r.total_reward > 0)
             rollouts = run_episodes(engine, task, chunk, params, max_turns=max_turns,
                                     max_total_tokens=max_total_tokens, env_threads=env_threads)
-            correct += sum(bool(success(r)) for r in rollouts)
+            correct += sum(bool(task.episode_success(r)) for r in rollouts)
             continue
         gens = engine.generate([p.token_ids for p in chunk], params)
         correct += sum(task.is_correct(p, g.tokens) for p, g in zip(chunk, gens))
@@ -62,8 +61,22 @@ def pass_at_k(engine: core.Engine, task: core.Task, prompts: List[core.Prompt],
 
 
 class Evaluator(core.Worker):
-    def __init__(self, task: core.Task, engine: core.Engine, variables,
-                 decode: Callable[[bytes], dict], params: core.SamplingParams, eval_every: int,
+    """Evaluates the versions due (module docstring) with its own engine.
+
+    Args:
+      task, engine: the Task (its eval_prompts) and the Engine that answers them.
+      variables: the core.VariableFollower versions come from (a variables.VariableClient);
+        None when the learner offers them (InLearnerEvaluation).
+      decode: the follower's params -> the state dict the engine loads.
+      params: greedy SamplingParams; sample_params: those of pass@k (pass_k > 0).
+      eval_every, max_steps: every eval_every-th version is due, and the last (max_steps).
+      logger: a MetricsLogger for the "eval" rows, or None.
+      max_turns, max_total_tokens, env_threads: multi-turn episode limits.
+    """
+
+    def __init__(self, task: core.Task, engine: core.Engine,
+                 variables: Optional[core.VariableFollower],
+                 decode: Optional[Callable], params: core.SamplingParams, eval_every: int,
                  max_steps: int, logger=None, max_turns: int = 1,
                  max_total_tokens: int = 1 << 30, env_threads: int = 1, pass_k: int = 0,
                  sample_params: Optional[core.SamplingParams] = None):

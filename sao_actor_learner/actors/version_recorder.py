@@ -50,10 +50,11 @@ def read_index(run_dir: str) -> list:
 
 
 class VersionRecorder(core.Worker):
-    """Fetches due versions from `variables` (raw payloads, no decode) and writes them."""
+    """Fetches due versions from `variables` (a core.VariableFollower without a decode: its
+    params are the published payloads) and writes them."""
 
-    def __init__(self, variables, run_dir: str, eval_every: int, max_steps: int,
-                 poll_s: float = 0.05) -> None:
+    def __init__(self, variables: core.VariableFollower, run_dir: str, eval_every: int,
+                 max_steps: int, poll_s: float = 0.05) -> None:
         self._variables = variables
         self._dir = os.path.join(run_dir, VERSIONS_DIR)
         self._run_dir = run_dir

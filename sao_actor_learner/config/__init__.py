@@ -6,7 +6,9 @@ Flags and config.json are flat: every field of every section is a top-level flag
 several fields under the ones given explicitly (profiles.py has the precedence). Components
 take their section, e.g. `config.section(LearnerConfig)`, or explicit arguments. Every check runs before any process starts and its message names the
 field, the value and what to change ("max_staleness=-1: must be >= 0; 0 means strictly
-on-policy"). Fields left at 0 / "" that have a per-task default take it (`TASK_DEFAULTS`).
+on-policy"). Fields left at 0 / "" that have a per-task default take it (the task's
+`TaskSpec.defaults`, tasks/registry.py); each task's and engine's own checks are its registry
+entry's.
 """
 from __future__ import annotations
 
@@ -18,24 +20,18 @@ from sao_actor_learner.config.learner import LearnerConfig
 from sao_actor_learner.config.network import NetworkConfig, check_transport
 from sao_actor_learner.config.profiles import PROFILES, apply_profile
 from sao_actor_learner.config.sections import (  # noqa: F401  (re-exported)
-    ACTOR_DELAYS, ALGORITHMS, CRITIC_FREE_BASELINES, CRITICS, DTYPES, ENGINES, EVALUATORS,
-    GAE_MODES, KERNEL_BACKENDS, LAUNCH_TYPES, LEARNER_STRATEGIES, LOSS_NORMALIZATIONS, POLICY_LOSSES,
+    ACTOR_DELAYS, CRITIC_FREE_BASELINES, CRITICS, DTYPES, ENGINES, EVALUATORS,
+    GAE_MODES, KERNEL_BACKENDS, LAUNCH_TYPES, LEARNER_STRATEGIES, LOSS_NORMALIZATIONS,
     PROGRAM_GROUPS, TASKS, WEIGHT_SYNC_MODES, ActorConfig, ConfigError, DatasetConfig,
-    EngineConfig, EvalConfig, LaunchConfig, ProgramConfig, ReplayConfig, Section,
-    parse_ray_resources, raise_config_error)
+    EvalConfig, ProgramConfig, ReplayConfig, Section, raise_config_error)
+from sao_actor_learner.config.engine import EngineConfig
+from sao_actor_learner.config.launch import LaunchConfig, parse_ray_resources  # noqa: F401
 from sao_actor_learner.config.trackers import TRACKERS, WANDB_MODES, TrackerConfig  # noqa: F401
+from sao_actor_learner.learner.registry import ALGORITHM_NAMES, GROUP_ALGORITHMS
+from sao_actor_learner.learner.registry import (  # noqa: F401 - re-exported
+    ALGORITHM_NAMES as ALGORITHMS, POLICY_LOSS_NAMES as POLICY_LOSSES)
+from sao_actor_learner.tasks.registry import check_task, resolved_defaults, task_names
 
-# Per-task defaults of the fields left at 0 / "" ("actor_batch": the actor_batch value).
-TASK_DEFAULTS = {
-    "arithmetic": dict(init_checkpoint="checkpoints/warm_start", max_sequence_length=64,
-                       max_new_tokens=8, max_turns=1, env_threads=1),
-    "calculator_tool": dict(init_checkpoint="checkpoints/warm_start_calculator_tool",
-                            max_sequence_length=96, max_new_tokens=16, max_turns=4,
-                            env_threads="actor_batch"),
-    # The reward runs in the environment step: off the generation thread (env_threads).
-    "dataset": dict(max_sequence_length=512, max_new_tokens=128, max_turns=1,
-                    env_threads="actor_batch"),
-}
 SECTIONS = (ProgramConfig, ReplayConfig, ActorConfig, EngineConfig, LearnerConfig,
             DatasetConfig, EvalConfig, LaunchConfig, TrackerConfig, NetworkConfig)
 
@@ -86,13 +82,12 @@ class SAOConfig(NetworkConfig, TrackerConfig, LaunchConfig, EvalConfig, DatasetC
         object.__setattr__(self, "init_checkpoint", self.model or self.init_checkpoint)
 
     def _resolve_task_defaults(self) -> None:
-        """Fills the fields left at 0 / "" with the task's TASK_DEFAULTS."""
-        if self.task not in TASKS:
+        """Fills the fields left at 0 / "" with the task's defaults (its TaskSpec)."""
+        if self.task not in task_names():
             return  # validate() names the bad task
-        for field, value in TASK_DEFAULTS.get(self.task, TASK_DEFAULTS["arithmetic"]).items():
+        for field, value in resolved_defaults(self.task, self.actor_batch).items():
             if getattr(self, field) in (0, ""):
-                object.__setattr__(self, field,
-                                   self.actor_batch if value == "actor_batch" else value)
+                object.__setattr__(self, field, value)
 
     def _resolve_lockstep(self) -> None:
         """lockstep=True sets max_staleness to 0; an explicit other value is an error."""
@@ -163,10 +158,12 @@ class SAOConfig(NetworkConfig, TrackerConfig, LaunchConfig, EvalConfig, DatasetC
             fail(f"max_new_tokens={self.max_new_tokens} >= max_sequence_length="
                  f"{self.max_sequence_length}: a turn could never fit after the prompt; raise "
                  "max_sequence_length or lower max_new_tokens")
-        if self.algorithm == "grpo" and G < 2:
-            fail(f"group_size={G} with algorithm='grpo': a group of one rollout has advantage 0 "
-                 "(its reward minus its own mean), so nothing would train; set --group_size>=2 "
-                 "(the paper's GRPO: 8) or use --algorithm=critic_free or sao for single rollouts")
+        if self.algorithm in GROUP_ALGORITHMS and G < 2:
+            singles = " or ".join(a for a in ALGORITHM_NAMES if a not in GROUP_ALGORITHMS)
+            fail(f"group_size={G} with algorithm={self.algorithm!r}: its baseline comes from the "
+                 "other rollouts of a prompt's group and a group of one rollout has advantage 0, "
+                 "so nothing would train; set --group_size>=2 (the paper's GRPO: 8) or use "
+                 f"--algorithm={singles} for single rollouts")
         if self.batch_size % G:
             fail(f"batch_size={self.batch_size} is not a multiple of group_size={G}: a GRPO "
                  "batch is prompts x G whole groups; make batch_size a multiple of group_size")
@@ -190,18 +187,7 @@ class SAOConfig(NetworkConfig, TrackerConfig, LaunchConfig, EvalConfig, DatasetC
         if not 0 < self.max_prompt_length < self.max_sequence_length:
             fail(f"max_prompt_length={self.max_prompt_length}: must be in [1, "
                  f"max_sequence_length={self.max_sequence_length}) so a response fits after it")
-        if self.task != "dataset":
-            if self.train_files or self.eval_files:
-                fail(f"train_files / eval_files apply to --task=dataset (task={self.task!r}); "
-                     "add --task=dataset or drop them")
-            return
-        if not self.train_files:
-            fail("task='dataset' needs --train_files=a.parquet[,b.jsonl] (training prompts)")
-        if not self.eval_files:
-            fail("task='dataset' needs --eval_files=test.parquet (held-out prompts, scored with "
-                 "the same reward)")
-        if self.max_turns != 1:
-            fail(f"max_turns={self.max_turns}: dataset prompts are single-turn; drop --max_turns")
+        check_task(self, fail)   # the task's own options (its TaskSpec, tasks/registry.py)
 
     def _check_lean_choices(self, fail) -> None:
         """evaluator=in_learner and critic=shared_trunk against the rest of the config."""

@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Tuple
 
-from sao_actor_learner.config.sections import (ALGORITHMS, CRITIC_FREE_BASELINES, CRITICS,
-                                               DTYPES, GAE_MODES, KERNEL_BACKENDS,
-                                               LEARNER_STRATEGIES, LOSS_NORMALIZATIONS,
-                                               LR_SCHEDULES, POLICY_LOSSES, Fail, Section,
+from sao_actor_learner.config.sections import (CRITIC_FREE_BASELINES, CRITICS, DTYPES,
+                                               GAE_MODES, KERNEL_BACKENDS, LEARNER_STRATEGIES,
+                                               LOSS_NORMALIZATIONS, LR_SCHEDULES, Fail, Section,
                                                at_least, choice, option)
+# The registered algorithms and policy losses (learner/registry.py imports only the standard
+# library, so the config still validates without torch).
+from sao_actor_learner.learner import registry
 
 # learner/packing.LAYOUTS (config/ imports no torch).
 MICRO_BATCH_LAYOUTS = ("padded", "packed")
@@ -20,9 +22,11 @@ MICRO_BATCH_LAYOUTS = ("padded", "packed")
 class LearnerConfig(Section):
     """How the learner turns a batch into one policy step (and K critic steps)."""
     algorithm: str = option("sao", "sao (critic + skip-observation GAE), grpo (group-"
-                            "normalised rewards) or critic_free (a tracked reward baseline).")
+                            "normalised rewards), critic_free (a tracked reward baseline) or "
+                            "rloo (leave-one-out group baseline); learner/registry.py.")
     policy_loss: str = option("dis", "dis (double-sided IS against rollout log-probs), "
-                              "ppo_clip, tis, icepop or none (no correction).")
+                              "ppo_clip, tis, icepop, none (no correction) or gspo (sequence-"
+                              "level clipped ratio); learner/registry.py.")
     eps_low: float = option(0.3, "DIS keeps tokens whose ratio is >= 1 - eps_low (paper: 0.3 "
                             "math, 0.8 coding).")
     eps_high: float = option(5.0, "DIS keeps tokens whose ratio is <= 1 + eps_high (paper: 5 "
@@ -98,12 +102,19 @@ class LearnerConfig(Section):
                                        "value at the cut (otherwise they end with value 0).")
     grpo_scale_by_std: bool = option(True, "grpo: divide by the group's reward std (False: Dr. "
                                      "GRPO).")
+    rloo_scale_by_std: bool = option(False, "rloo: divide each group's leave-one-out "
+                                     "advantages by the group's reward std (as "
+                                     "grpo_scale_by_std).")
     baseline: str = option("running_mean", "critic_free: the baseline tracker, running_mean or "
                            "per_prompt.")
     baseline_decay: float = option(0.9, "critic_free: EMA decay of the baseline tracker.")
     ppo_clip_low: float = option(0.2, "PPO clip range starts at 1 - ppo_clip_low (ppo_clip, "
                                  "tis, icepop).")
     ppo_clip_high: float = option(0.2, "PPO clip range ends at 1 + ppo_clip_high.")
+    gspo_clip_low: float = option(3e-4, "gspo: the sequence ratio's clip range starts at 1 - "
+                                  "gspo_clip_low (GSPO paper: 3e-4).")
+    gspo_clip_high: float = option(4e-4, "gspo: the sequence ratio's clip range ends at 1 + "
+                                   "gspo_clip_high (GSPO paper: 4e-4).")
     tis_cap: float = option(2.0, "tis: C in min(pi_old / mu, C).")
     icepop_low: float = option(0.5, "icepop: lower end of the band on pi_old / mu.")
     icepop_high: float = option(5.0, "icepop: upper end of the band on pi_old / mu.")
@@ -163,7 +174,8 @@ class LearnerConfig(Section):
                                          "fails the group (naming the rank) instead of hanging.")
 
     def check(self, fail: Fail) -> None:
-        for field, options in (("algorithm", ALGORITHMS), ("policy_loss", POLICY_LOSSES),
+        for field, options in (("algorithm", registry.ALGORITHM_NAMES),
+                               ("policy_loss", registry.POLICY_LOSS_NAMES),
                                ("gae", GAE_MODES), ("loss_normalization", LOSS_NORMALIZATIONS),
                                ("kernel_backend", KERNEL_BACKENDS), ("baseline",
                                                                      CRITIC_FREE_BASELINES),
@@ -215,6 +227,11 @@ class LearnerConfig(Section):
                  "1 - ppo_clip_low, which must stay positive (PPO/GRPO: 0.2)")
         if self.ppo_clip_high <= 0.0:
             fail(f"ppo_clip_high={self.ppo_clip_high}: must be > 0 (PPO/GRPO: 0.2; DAPO: 0.28)")
+        if not 0.0 < self.gspo_clip_low < 1.0:
+            fail(f"gspo_clip_low={self.gspo_clip_low}: must be in (0, 1); the clip range starts "
+                 "at 1 - gspo_clip_low (GSPO: 3e-4)")
+        if self.gspo_clip_high <= 0.0:
+            fail(f"gspo_clip_high={self.gspo_clip_high}: must be > 0 (GSPO: 4e-4)")
         if self.tis_cap <= 0.0:
             fail(f"tis_cap={self.tis_cap}: the truncation C of min(pi_old/mu, C) must be > 0 "
                  "(typical: 2)")
@@ -224,12 +241,14 @@ class LearnerConfig(Section):
                  "(IcePop: 0.5 and 5)")
         if not 0.0 <= self.baseline_decay < 1.0:
             fail(f"baseline_decay={self.baseline_decay}: must be in [0, 1)")
-        if self.algorithm != "sao" and (self.value_pretrain_rollouts or self.critic_warmup_steps):
+        has_critic = self.algorithm in registry.CRITIC_ALGORITHMS
+        with_critic = ",".join(registry.CRITIC_ALGORITHMS)
+        if not has_critic and (self.value_pretrain_rollouts or self.critic_warmup_steps):
             fail(f"algorithm={self.algorithm!r} has no critic: value_pretrain_rollouts="
                  f"{self.value_pretrain_rollouts} and critic_warmup_steps={self.critic_warmup_steps}"
-                 " must be 0 (or use --algorithm=sao)")
-        if self.bootstrap_truncated and self.algorithm != "sao":
-            fail(f"bootstrap_truncated=True needs a critic (algorithm='sao', not "
+                 f" must be 0 (or use --algorithm={with_critic})")
+        if self.bootstrap_truncated and not has_critic:
+            fail(f"bootstrap_truncated=True needs a critic (algorithm={with_critic}, not "
                  f"{self.algorithm!r})")
         if self.critic == "shared_trunk":
             self._check_shared_trunk(fail)
@@ -267,9 +286,10 @@ class LearnerConfig(Section):
     def _check_shared_trunk(self, fail: Fail) -> None:
         """critic=shared_trunk: the combinations it does not support (docs/METHOD.md, the
         shared-trunk value head)."""
-        if self.algorithm != "sao":
-            fail(f"critic='shared_trunk' with algorithm={self.algorithm!r}: only sao has a "
-                 "critic; drop --critic or use --algorithm=sao")
+        if self.algorithm not in registry.CRITIC_ALGORITHMS:
+            fail(f"critic='shared_trunk' with algorithm={self.algorithm!r}: only "
+                 f"{', '.join(registry.CRITIC_ALGORITHMS)} has a critic; drop --critic or use "
+                 f"--algorithm={registry.CRITIC_ALGORITHMS[0]}")
         if not self.value_loss_coef > 0:
             fail(f"value_loss_coef={self.value_loss_coef}: must be > 0 (the value head reaches "
                  "the trunk only through the joint loss)")

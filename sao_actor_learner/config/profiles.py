@@ -4,7 +4,7 @@ Precedence, highest first:
   1. what the user sets: flags given on the command line (`programs/sao.py --num_actors=2`),
      keyword arguments of `SAOConfig.from_profile(name, **given)`;
   2. the profile's values (`--profile=lean`);
-  3. the task's defaults (`TASK_DEFAULTS`, for fields left at 0 / "");
+  3. the task's defaults (its `TaskSpec.defaults`, tasks/registry.py, for fields left at 0 / "");
   4. the field defaults of the sections.
 A value given explicitly always wins, also when it equals the field's default
 (`--profile=lean --num_actors=2` runs two actors). The profile is applied once, when the config

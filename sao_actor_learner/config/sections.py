@@ -7,8 +7,12 @@ field, the value and what to change; checks that relate fields of several sectio
 Components take their section (`config.section(LearnerConfig)`) or explicit arguments, never the
 whole run configuration.
 
-Only the standard library (and `latency`, numpy only) is imported here: the launcher validates
-configs without loading torch, engines or tasks.
+The sections of the engine and of scale-out live in engine.py and launch.py. The allowed
+--task and --engine values come from the task and engine registries (tasks/registry.py,
+engines/registry.py), which own each task's and engine's defaults and checks.
+
+Only the standard library, `core` and the two registries are imported here: the launcher
+validates configs without loading torch or an engine (a task's checks load its module: numpy).
 """
 from __future__ import annotations
 
@@ -17,19 +21,20 @@ import json
 import os
 from typing import Any, Callable, Optional, Tuple
 
-LAUNCH_TYPES = ("local_mt", "local_mp", "ray")
-TASKS = ("arithmetic", "online_shift", "calculator_tool", "dataset")
-ENGINES = ("torch", "vllm")
-# What a new version does to generations in flight (core.WEIGHT_SYNC_MODES; docs/DESIGN.md).
-WEIGHT_SYNC_MODES = ("off", "keep", "abort")
+from sao_actor_learner.core import WEIGHT_SYNC_MODES  # noqa: F401  (re-exported)
+from sao_actor_learner.engines.registry import engine_names
+from sao_actor_learner.launch.program import LAUNCH_TYPES  # noqa: F401  (the launcher's list)
+from sao_actor_learner.tasks.registry import task_names
+
+# The registered tasks and engines when this module was imported (the checks ask the registries).
+TASKS = task_names()
+ENGINES = engine_names()
 GAE_MODES = ("skip_observation", "standard")
 LOSS_NORMALIZATIONS = ("action_tokens", "kept_tokens")
 LR_SCHEDULES = ("constant", "linear", "cosine")
-POLICY_LOSSES = ("dis", "ppo_clip", "tis", "icepop", "none")
-ALGORITHMS = ("sao", "grpo", "critic_free")
 CRITIC_FREE_BASELINES = ("running_mean", "per_prompt")
 ACTOR_DELAYS = ("none", "fixed", "uniform", "heavy_tailed")
-# How weights reach actors (variables/client.WEIGHT_TRANSPORTS; no import of it here).
+# How weights reach actors (variables/client.py takes this list from here).
 WEIGHT_TRANSPORTS = ("auto", "grpc", "shm")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 DTYPES = ("float32", "bfloat16")
@@ -40,17 +45,6 @@ EVALUATORS = ("node", "in_learner", "record", "off")
 PROGRAM_GROUPS = ("replay", "variables", "learner", "learner_store", "actor", "evaluator")
 
 Fail = Callable[[str], None]
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def resolve_vllm_python(python: str = "") -> str:
-    """The vLLM environment's python: `python` if given, else $SAO_VLLM_PYTHON, else
-    `<repo>/.venv-vllm/bin/python` (what `make vllm-env` builds). Not checked for existence."""
-    if python:
-        return os.path.abspath(os.path.expanduser(python))
-    if os.environ.get("SAO_VLLM_PYTHON"):
-        return os.path.abspath(os.path.expanduser(os.environ["SAO_VLLM_PYTHON"]))
-    return os.path.join(REPO_ROOT, ".venv-vllm", "bin", "python")
 
 
 class ConfigError(ValueError):
@@ -122,7 +116,7 @@ class ProgramConfig(Section):
         if self.profile and self.profile not in PROFILES:
             fail(f"profile={self.profile!r}: must be one of {', '.join(sorted(PROFILES))} or "
                  "empty (no profile)")
-        choice(self, "task", TASKS, fail)
+        choice(self, "task", task_names(), fail)
         choice(self, "launch", LAUNCH_TYPES, fail)
         at_least(self, ("num_actors", "max_steps", "threads_per_process"), 1, fail)
 
@@ -242,7 +236,6 @@ class ActorConfig(Section):
                                "learner acknowledges it (re-inserted after any crash).")
 
     def check(self, fail: Fail) -> None:
-        from sao_actor_learner.latency import parse_latency   # numpy only
         at_least(self, ("actor_batch", "max_new_tokens"), 1, fail)
         if self.temperature <= 0.0:
             fail(f"temperature={self.temperature}: training rollouts need temperature > 0; "
@@ -275,57 +268,6 @@ class ActorConfig(Section):
         for field in ("max_turns", "env_threads"):
             if getattr(self, field) < 1:
                 fail(f"{field}={getattr(self, field)}: must be >= 1 (0 picks the task's default)")
-        try:
-            parse_latency(self.tool_latency)
-        except ValueError as e:
-            fail(f"tool_latency={self.tool_latency!r}: {e}")
-        if not self.tool_timeout_s > 0:
-            fail(f"tool_timeout_s={self.tool_timeout_s}: must be > 0 (seconds a tool call may take)")
-        if self.shift_every < 1:
-            fail(f"shift_every={self.shift_every}: must be >= 1 (policy versions per reward phase)")
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig(Section):
-    """The generation engine: the built-in torch engine or a vLLM server per node."""
-    engine: str = option("torch", "Generation engine: torch (in-process) or vllm (a vLLM "
-                         "server per actor, in its own venv).")
-    weight_sync_mode: str = option("off", "What a new version does to an actor's generations "
-                                   "in flight (both engines): off: weights change between "
-                                   "batches only; keep: they continue on the new weights from "
-                                   "the next token; abort: they restart from their prompts.")
-    vllm_python: str = option("", "The vLLM environment's python; empty: $SAO_VLLM_PYTHON or "
-                              ".venv-vllm/bin/python.")
-    vllm_start_timeout_s: float = option(300.0, "A vLLM server not healthy by then is an "
-                                         "error (with its log).")
-    vllm_max_restarts: int = option(3, "Restarts of a dead vLLM server per engine before "
-                                    "errors propagate.")
-    vllm_kv_cache_gb: int = option(1, "KV cache of each vLLM server in GiB "
-                                   "(VLLM_CPU_KVCACHE_SPACE on CPU).")
-    vllm_enforce_eager: bool = option(True, "No torch.compile in the vLLM server (starts ~2x "
-                                      "faster on CPU).")
-    vllm_evaluator: bool = option(False, "The evaluator uses vLLM too (default: the torch "
-                                  "engine).")
-
-    def check(self, fail: Fail) -> None:
-        choice(self, "engine", ENGINES, fail)
-        if self.weight_sync_mode not in WEIGHT_SYNC_MODES:
-            fail(f"weight_sync_mode={self.weight_sync_mode!r}: must be one of "
-                 f"{', '.join(WEIGHT_SYNC_MODES)} (keep: generations in flight continue on the "
-                 "new weights; abort: they restart from their prompts; off: weights change "
-                 "only between batches)")
-        if not self.vllm_start_timeout_s > 0:
-            fail(f"vllm_start_timeout_s={self.vllm_start_timeout_s}: must be > 0 seconds")
-        if self.vllm_max_restarts < 0:
-            fail(f"vllm_max_restarts={self.vllm_max_restarts}: must be >= 0 (0: never restart)")
-        if self.vllm_kv_cache_gb < 1:
-            fail(f"vllm_kv_cache_gb={self.vllm_kv_cache_gb}: must be >= 1 (GiB of KV cache)")
-        if self.engine == "vllm":
-            python = resolve_vllm_python(self.vllm_python)
-            if not os.path.exists(python):
-                fail(f"engine='vllm' needs the vLLM environment: vllm_python={python!r} does not "
-                     "exist; build it with `make vllm-env` or set --vllm_python to a python with "
-                     "vllm installed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,95 +344,3 @@ class EvalConfig(Section):
         at_least(self, ("eval_size",), 1, fail)
         if self.eval_pass_k < 0 or self.eval_pass_k == 1:
             fail(f"eval_pass_k={self.eval_pass_k}: must be 0 (off) or >= 2 samples per prompt")
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchConfig(Section):
-    """Scale-out, restarts and security."""
-    ray_address: str = option("", "launch=ray: empty starts a local Ray (or uses this process's "
-                              "ray.init()); auto or ray://HEAD:10001 joins a cluster.")
-    ray_resources: Tuple[str, ...] = option((), "launch=ray: GROUP:CPUS[:GPUS] reserved by each "
-                                            "node of GROUP, e.g. learner:1:1,actor:1.")
-    placement: Tuple[str, ...] = option((), "launch=local_mp: GROUP:cpuN[-M] and/or "
-                                        "GROUP:gpuN[-M] pins each group's processes to those "
-                                        "cores (torch threads sized to them) and GPUs "
-                                        "(CUDA_VISIBLE_DEVICES), e.g. actor:cpu0,learner:cpu1 "
-                                        "or actor:gpu0-3,learner:gpu4-7. Unnamed groups run "
-                                        "anywhere; ignored with a warning under Ray.")
-    restart_groups: Tuple[str, ...] = option(("actor", "evaluator"), "Crashed nodes of these "
-                                             "groups are restarted (the learner resumes from "
-                                             "its checkpoint and journal).")
-    max_restarts: int = option(3, "Restarts per node; one crash more fails the run.")
-    restart_backoff_s: float = option(1.0, "Wait before a node's first restart; doubles per "
-                                      "restart (at most 30 s).")
-    service_timeout_s: float = option(300.0, "How long a service node (replay, variables) may "
-                                      "take to accept connections; importing TensorFlow takes "
-                                      "minutes on a loaded machine.")
-    node_timeout_s: float = option(60.0, "launch=local_mp: a node process whose heartbeat "
-                                   "thread is silent this long (stopped, deadlocked) is killed "
-                                   "and restarted as if it crashed (restart_groups), else fails "
-                                   "the run; long work never silences it; 0: off.")
-    resume: bool = option(False, "Continue the run in run_dir (checkpoints, journal, replay, "
-                          "spools); otherwise they are cleared first.")
-    bind_host: str = option("127.0.0.1", "Interface the variable server binds; another needs "
-                            "an auth token ($SAO_AUTH_TOKEN or --auth_token) and TLS "
-                            "(--tls_cert, --tls_key) or --insecure_transport.")
-    tls_cert: str = option("", "PEM certificate chain: the variable server speaks TLS only.")
-    tls_key: str = option("", "PEM private key of --tls_cert.")
-
-    def check(self, fail: Fail) -> None:
-        for group in self.restart_groups:
-            if group not in PROGRAM_GROUPS:
-                fail(f"restart_groups contains {group!r}: must name groups of the program "
-                     f"({', '.join(PROGRAM_GROUPS)})")
-        if self.max_restarts < 0:
-            fail(f"max_restarts={self.max_restarts}: must be >= 0 (0: a crash fails the run)")
-        if self.restart_backoff_s < 0:
-            fail(f"restart_backoff_s={self.restart_backoff_s}: must be >= 0 seconds")
-        if self.service_timeout_s <= 0:
-            fail(f"service_timeout_s={self.service_timeout_s}: must be > 0 seconds")
-        if not self.node_timeout_s >= 0:
-            fail(f"node_timeout_s={self.node_timeout_s}: must be >= 0 seconds (0: no liveness "
-                 "checks)")
-        try:
-            parse_ray_resources(self.ray_resources)
-        except ValueError as e:
-            fail(str(e))
-        if self.placement:
-            from sao_actor_learner.launch.placement import check_placement, parse_placement
-            try:
-                check_placement(parse_placement(self.placement, PROGRAM_GROUPS))
-            except ValueError as e:
-                fail(str(e))
-        if bool(self.tls_cert) != bool(self.tls_key):
-            fail(f"tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r}: give both (TLS on the "
-                 "variable server) or neither")
-        for field in ("tls_cert", "tls_key"):
-            path = getattr(self, field)
-            if path and not os.path.isfile(path):
-                fail(f"{field}={path!r}: no such file (a PEM file)")
-        if not self.bind_host or any(c in self.bind_host for c in " /"):
-            fail(f"bind_host={self.bind_host!r}: must be an interface address such as 127.0.0.1 "
-                 "or 0.0.0.0")
-
-
-def parse_ray_resources(entries) -> dict:
-    """{group: {"num_cpus": c, "num_gpus": g}} from entries "GROUP:CPUS[:GPUS]"."""
-    out = {}
-    for entry in entries:
-        parts = str(entry).split(":")
-        if len(parts) not in (2, 3) or parts[0] not in PROGRAM_GROUPS:
-            raise ValueError(f"ray_resources entry {entry!r}: must be GROUP:CPUS[:GPUS] with "
-                             f"GROUP one of {', '.join(PROGRAM_GROUPS)}, e.g. learner:1:1")
-        try:
-            amounts = [float(x) for x in parts[1:]]
-        except ValueError:
-            raise ValueError(f"ray_resources entry {entry!r}: CPUS and GPUS must be numbers, "
-                             "e.g. actor:1 or learner:2:1") from None
-        if any(a < 0 for a in amounts):
-            raise ValueError(f"ray_resources entry {entry!r}: amounts must be >= 0")
-        if parts[0] in out:
-            raise ValueError(f"ray_resources names group {parts[0]!r} twice")
-        out[parts[0]] = {"num_cpus": amounts[0], "num_gpus": amounts[1] if len(amounts) > 1
-                         else 0.0}
-    return out

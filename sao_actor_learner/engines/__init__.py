@@ -1,4 +1,5 @@
 """Engines: the built-in torch engine and the vLLM engine (a vLLM server in `.venv-vllm`).
+`registry.py` registers them (--engine's values, how each is built from a config, its checks).
 
 Exports are imported on first use (PEP 562), so `import sao_actor_learner.engines` costs
 nothing and `vllm_server/` (which runs inside the vLLM environment) is never imported here.

@@ -61,11 +61,12 @@ class TorchEngine(core.Engine):
       token_limit: only ids < token_limit are sampled (None: every row of the LM head).
       weight_sync_mode: "off", "keep" or "abort": what offered weights do to rows in flight
         (module docstring).
+      tokenizer: the model's tokenizer, kept as `.tokenizer` (tasks encode prompts with it).
     """
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
                  version: int = 0, max_batch_size: int = 64, token_limit: Optional[int] = None,
-                 weight_sync_mode: str = "off"):
+                 weight_sync_mode: str = "off", tokenizer: Optional[core.Tokenizer] = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
         if weight_sync_mode not in core.WEIGHT_SYNC_MODES:
@@ -98,7 +99,7 @@ class TorchEngine(core.Engine):
         # transformers >= 5.2x calls the KV cache `cache`; older releases `past_key_values`.
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in forward_args
-        self.tokenizer = None  # set by from_checkpoint
+        self.tokenizer = tokenizer   # the model's (None: a bare model without one)
 
     @classmethod
     def from_checkpoint(cls, path: str, version: int = 0, max_batch_size: int = 64,
@@ -109,8 +110,7 @@ class TorchEngine(core.Engine):
         engine = cls(model, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
                      version=version, max_batch_size=max_batch_size,
                      token_limit=token_limit(model, tokenizer),
-                     weight_sync_mode=weight_sync_mode)
-        engine.tokenizer = tokenizer
+                     weight_sync_mode=weight_sync_mode, tokenizer=tokenizer)
         return engine
 
     # core.Engine ------------------------------------------------------------------------------

@@ -30,25 +30,13 @@ Engine (`VLLMEngine`):
   offer_weights  is load_weights (from the caller's thread, while generate calls may be in
                flight in others); the actor calls it from its weight thread.
 
-Log-probs (`Generation.logprobs`, the behaviour policy, as TorchEngine defines it):
-  vLLM's default `raw_logprobs` are log_softmax(logits) BEFORE temperature and top-p. The server
-  runs with `processed_logprobs`: log_softmax(logits / T) after top-p masking, i.e. renormalised
-  over the nucleus, and for greedy requests log_softmax(logits). Measured against a
-  teacher-forced forward pass of the same weights in transformers (float32, tiny Llama): max
-  |difference| 1.9e-6 on the warm start; <= 1.5e-5 on the tests' model (LM head x20, 24 rows x 300
-  tokens) at T=1, 0.7, greedy and T=1.3 with top_p=0.9; tests assert atol 1e-4. The error grows
-  with the logits' scale (2e-4 on the warm start with its LM head x20), as float32 rounding does.
-
-Token budget: vLLM refuses prompt + max_tokens > max_model_len (the checkpoint's
-max_position_embeddings by default), so a request's max_tokens is clipped to the room left
-(finish_reason "length"); a prompt with no room left is an error.
+Log-probs and the token budget: vllm_requests.py (the requests, as pure functions).
 
 The server-process names (`VLLMServer`, `VLLMServerError`, `resolve_vllm_python`, `free_port`,
 `SERVER_DIR`) stay importable from here; `resolve_vllm_python` needs no torch.
 """
 from __future__ import annotations
 
-import dataclasses
 import http.client
 import json
 import os
@@ -65,6 +53,7 @@ from sao_actor_learner import core
 from sao_actor_learner.engines.vllm_process import (SERVER_DIR, HTTPError, VLLMServer,
                                                     VLLMServerError, free_port,
                                                     resolve_vllm_python)
+from sao_actor_learner.engines.vllm_requests import check_prompt, parse_choice, request_body
 from sao_actor_learner.engines.vllm_weights import (check_state_dict, push_weights,
                                                     write_weights_file)
 
@@ -74,14 +63,6 @@ __all__ = ["SERVER_DIR", "VLLMEngine", "VLLMServer", "VLLMServerError", "WEIGHT_
 WEIGHT_SYNC_MODES = core.WEIGHT_SYNC_MODES
 # Failures that mean the server may be gone (then /health decides: restart, or a real error).
 _TRANSPORT_ERRORS = (OSError, http.client.HTTPException, HTTPError)
-
-
-@dataclasses.dataclass
-class _Result:
-    tokens: List[int]
-    logprobs: List[float]
-    versions: List[int]
-    finish_reason: str
 
 
 class VLLMEngine(core.Engine):
@@ -98,6 +79,7 @@ class VLLMEngine(core.Engine):
       max_concurrency: requests in flight at once (vLLM batches them).
       max_restarts: server restarts allowed over the engine's life before errors propagate.
       request_timeout_s: one generate request's limit.
+      tokenizer: the model's tokenizer, kept as `.tokenizer` (tasks encode prompts with it).
       Other arguments go to VLLMServer.
     """
 
@@ -106,7 +88,8 @@ class VLLMEngine(core.Engine):
                  log_path: Optional[str] = None, max_concurrency: int = 64,
                  max_restarts: int = 3, request_timeout_s: float = 300.0,
                  start_timeout_s: float = 300.0, kv_cache_gb: int = 1, threads: int = 1,
-                 enforce_eager: bool = True, seed: int = 0, extra_args: Sequence[str] = ()):
+                 enforce_eager: bool = True, seed: int = 0, extra_args: Sequence[str] = (),
+                 tokenizer: Optional[core.Tokenizer] = None):
         if weight_sync_mode not in WEIGHT_SYNC_MODES:
             raise ValueError(f"weight_sync_mode={weight_sync_mode!r}: must be one of "
                              f"{', '.join(WEIGHT_SYNC_MODES)}")
@@ -127,7 +110,7 @@ class VLLMEngine(core.Engine):
         self.weight_sync_mode = weight_sync_mode
         self._max_restarts = int(max_restarts)
         self._request_timeout_s = float(request_timeout_s)
-        self.tokenizer = None  # set by from_checkpoint
+        self.tokenizer = tokenizer
         # vLLM SamplingParams.extra_args sent with every generate request (None: none), for
         # server-side hooks, e.g. the tests' hold scheduler (vllm_server/hold_scheduler.py).
         self.request_extra_args: Optional[dict] = None
@@ -173,9 +156,8 @@ class VLLMEngine(core.Engine):
         from sao_actor_learner.models.checkpoint import load_tokenizer
 
         tokenizer = load_tokenizer(path)
-        engine = cls(path, eos_token_id=tokenizer.eos_id, version=version, **kwargs)
-        engine.tokenizer = tokenizer
-        return engine
+        return cls(path, eos_token_id=tokenizer.eos_id, version=version, tokenizer=tokenizer,
+                   **kwargs)
 
     # core.Engine ------------------------------------------------------------------------------
     @property
@@ -195,7 +177,8 @@ class VLLMEngine(core.Engine):
                  params: core.SamplingParams) -> List[core.Generation]:
         if self._closed:
             raise RuntimeError("VLLMEngine.generate() after close()")
-        prompts = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
+        prompts = [check_prompt(i, p, self._vocab, self._max_model_len)
+                   for i, p in enumerate(prompts)]
         for t in params.stop_token_ids:
             if not 0 <= int(t) < self._vocab:
                 raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary "
@@ -209,12 +192,7 @@ class VLLMEngine(core.Engine):
             futures = [self._pool.submit(self._generate_one, p, params, stop_ids,
                                          None if params.seed is None else int(params.seed) + i)
                        for i, p in enumerate(prompts)]
-            out = []
-            for fut in futures:
-                r = fut.result()
-                out.append(core.Generation(tokens=r.tokens, logprobs=r.logprobs,
-                                           versions=r.versions, finish_reason=r.finish_reason))
-            return out
+            return [fut.result() for fut in futures]
         finally:
             with self._state:
                 self._generating -= 1
@@ -354,34 +332,10 @@ class VLLMEngine(core.Engine):
             os.remove(old)
 
     # Generation -------------------------------------------------------------------------------
-    def _check_prompt(self, index: int, prompt: Sequence[int]) -> List[int]:
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"prompt {index} is empty: every prompt needs at least one token "
-                             "(start it with <bos>)")
-        bad = [t for t in ids if not 0 <= t < self._vocab]
-        if bad:
-            raise ValueError(f"prompt {index} has token ids {bad[:5]} outside the vocabulary "
-                             f"[0, {self._vocab})")
-        if self._max_model_len is not None and len(ids) >= self._max_model_len:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens; the served model's "
-                             f"max_model_len is {self._max_model_len}, leaving no room to "
-                             "generate: shorten the prompt")
-        return ids
-
     def _generate_one(self, prompt: List[int], params: core.SamplingParams,
-                      stop_ids: List[int], seed: Optional[int]) -> _Result:
-        max_tokens = params.max_new_tokens
-        if self._max_model_len is not None:
-            max_tokens = min(max_tokens, self._max_model_len - len(prompt))
-        sampling = {"max_tokens": max_tokens, "temperature": float(params.temperature),
-                    "top_p": float(params.top_p), "logprobs": 0,
-                    "stop_token_ids": stop_ids, "detokenize": False}
-        if seed is not None:
-            sampling["seed"] = seed
-        if self.request_extra_args:
-            sampling["extra_args"] = dict(self.request_extra_args)
-        body = {"token_ids": prompt, "sampling_params": sampling, "output_mode": "tokens"}
+                      stop_ids: List[int], seed: Optional[int]) -> core.Generation:
+        body = request_body(prompt, params, stop_ids, seed, self._max_model_len,
+                            self.request_extra_args)
         failures = 0
         while True:
             with self._state:
@@ -420,28 +374,12 @@ class VLLMEngine(core.Engine):
                     while self._updating:
                         self._state.wait(timeout=1.0)
                 continue
-            return self._parse(choice)
-
-    def _parse(self, choice: dict) -> _Result:
-        tokens = [int(t) for t in choice.get("token_ids") or []]
-        content = (choice.get("logprobs") or {}).get("content") or []
-        logprobs = [float(c["logprob"]) for c in content]
-        if len(logprobs) != len(tokens):
-            raise VLLMServerError(f"the vLLM server returned {len(tokens)} tokens but "
-                                  f"{len(logprobs)} log-probs; was it started with "
-                                  "--logprobs-mode processed_logprobs?")
-        versions = [self._initial_version] * len(tokens)
-        for span in choice.get("weight_versions") or []:
-            v = self._initial_version if span["version"] in (None, "default") else \
-                int(span["version"])
-            for i in range(int(span["start"]), min(int(span["end"]), len(tokens))):
-                versions[i] = v
-        reason = choice.get("finish_reason") or "length"
-        self._count("requests")
-        self._count("tokens", len(tokens))
-        if len(set(versions)) > 1:
-            self._count("sequences_switched")
-        return _Result(tokens, logprobs, versions, "stop" if reason == "stop" else "length")
+            generation = parse_choice(choice, self._initial_version)
+            self._count("requests")
+            self._count("tokens", len(generation.tokens))
+            if len(set(generation.versions)) > 1:
+                self._count("sequences_switched")
+            return generation
 
 
 def _cleanup(server: VLLMServer, pool: ThreadPoolExecutor, weights_file: list) -> None:

@@ -7,8 +7,9 @@
 
 Every function takes backend="auto" | "triton" | "torch"; "auto" runs Triton on CUDA tensors and
 the torch reference elsewhere (see `dispatch.py`). This package imports only torch and the
-learner's pure-torch references: triton is imported when a Triton kernel first runs, so the
-package imports where triton is missing; reverb, tensorflow and grpc are never imported.
+pure-torch references of `sao_actor_learner.learner_math` (never `learner/`): triton is imported
+when a Triton kernel first runs, so the package imports where triton is missing; reverb,
+tensorflow and grpc are never imported.
 
 To run the Triton kernels on CPU (tests), set TRITON_INTERPRET=1 in the environment before the
 first Triton kernel runs in the process.

@@ -4,7 +4,7 @@
     keep_t = mask[t] * 1[1 - eps_low <= r_t <= 1 + eps_high]      (no gradient through keep)
     L      = - sum_t keep_t * r_t * A_t / sum_t mask[t]           (or / sum_t keep_t)
 
-Same arguments and results as `learner.losses.dis_policy_loss`, which is the torch backend.
+Same arguments and results as `learner_math.dis_policy_loss`, which is the torch backend.
 The Triton kernel reads each token once and writes dL/dlogp (up to the normaliser) in the same
 pass, so the backward is one multiply; all statistics come back in one device-to-host copy.
 """
@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..learner import losses as _ref
+from sao_actor_learner import learner_math as reference
 from .dispatch import load_triton_module, resolve_backend
 
 
@@ -75,7 +75,7 @@ def dis_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.T
              normalizer: Optional[float] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
     """Direct double-sided importance sampling loss and its statistics.
 
-    Args and returns as `learner.losses.dis_policy_loss` (logp, rollout_logp, advantages,
+    Args and returns as `learner_math.dis_policy_loss` (logp, rollout_logp, advantages,
     action_mask all [B, T] or any common shape; the loss is differentiable w.r.t. logp, and
     rollout_logp if it requires grad; advantages get no gradient). Stats: masked_below_frac,
     masked_above_frac, masked_frac, ratio_mean, ratio_max, ratio_min, kl_rollout, ess,
@@ -83,15 +83,16 @@ def dis_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.T
     dispatch.py). normalizer: divide by this instead (a whole batch's count, for micro-batches).
     The Triton backend computes in fp32 whatever the input float dtype; the loss has logp's dtype.
     """
-    if normalization not in _ref.NORMALIZATIONS:
-        raise ValueError(f"normalization={normalization!r}: must be one of {_ref.NORMALIZATIONS}")
+    if normalization not in reference.NORMALIZATIONS:
+        raise ValueError(f"normalization={normalization!r}: must be one of "
+                         f"{reference.NORMALIZATIONS}")
     shapes = {tuple(x.shape) for x in (logp, rollout_logp, advantages, action_mask)}
     if len(shapes) != 1:
         raise ValueError(f"dis_loss: logp, rollout_logp, advantages and action_mask must have one "
                          f"shape, got {sorted(shapes)}")
     chosen = resolve_backend(backend, "dis_loss", (logp, rollout_logp, advantages, action_mask))
     if chosen == "torch":
-        return _ref.dis_policy_loss(logp, rollout_logp, advantages, action_mask, eps_low,
+        return reference.dis_policy_loss(logp, rollout_logp, advantages, action_mask, eps_low,
                                     eps_high, normalization, normalizer=normalizer)
     mod = load_triton_module("_triton_dis")
     mask = action_mask.reshape(-1).contiguous()

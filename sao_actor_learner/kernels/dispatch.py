@@ -6,7 +6,7 @@
             slow, meant for tests). Anything else fails here with a message saying what to set.
 - "auto":   Triton when every tensor is on CUDA, Triton is installed and the interpreter is off;
             the torch reference otherwise (CPU tensors, float64, no Triton). "auto" never picks
-            the interpreter: it is ~100x slower than the reference.
+            the interpreter: it is far slower than the reference (it is meant for tests).
 
 Nothing here imports triton: `importlib.util.find_spec` looks for it without importing it, and
 the kernel modules (`_triton_*.py`) are imported by `load_triton_module` only when the Triton

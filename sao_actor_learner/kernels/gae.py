@@ -4,8 +4,9 @@
 
 where t_1 < ... < t_n are a row's action tokens (observation tokens between them are skipped),
 V(t_{n+1}) is the row's bootstrap value (0 unless given). Same arguments and results as
-`learner.advantages.skip_observation_gae`, which is the torch backend: its loop runs one step
-per action token with ~10 kernel launches each, the Triton kernel is one launch (`_triton_gae.py`).
+`learner_math.skip_observation_gae`, which is the torch backend: its loop runs one step per
+action token with several kernel launches each, the Triton kernel is one launch
+(`_triton_gae.py`). Timings: BENCHMARKS.md section 6.
 """
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..learner import advantages as _ref
+from sao_actor_learner import learner_math as reference
 from .dispatch import load_triton_module, resolve_backend
 
 
 def skip_observation_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
-                         gamma: float, lam: _ref.Lambda,
+                         gamma: float, lam: reference.Lambda,
                          bootstrap_values: Optional[torch.Tensor] = None,
                          backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), [B, T], zero off action tokens; returns = advantages + values.
@@ -37,14 +38,14 @@ def skip_observation_gae(rewards: torch.Tensor, values: torch.Tensor, action_mas
     chosen = resolve_backend(backend, "skip_observation_gae",
                              (rewards, values, action_mask, lam_t, bootstrap_values))
     if chosen == "torch":
-        return _ref.skip_observation_gae(rewards, values, action_mask, gamma, lam,
+        return reference.skip_observation_gae(rewards, values, action_mask, gamma, lam,
                                          bootstrap_values)
     B, T = values.shape
     vals = values.detach()
     out_dtype = vals.dtype
     if vals.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         vals = vals.float()
-    lam_row = _ref._as_row_tensor(lam, B, vals).float().contiguous()
+    lam_row = reference.as_row_tensor(lam, B, vals).float().contiguous()
     boot = (torch.zeros(B, dtype=torch.float32, device=vals.device) if bootstrap_values is None
             else bootstrap_values.detach().reshape(B).float().contiguous())
     mask = action_mask.contiguous()

@@ -41,8 +41,9 @@ from sao_actor_learner.launch.launched import Launched
 from sao_actor_learner.launch.liveness import check_node_timeout
 from sao_actor_learner.launch.local_mp import ProcessRunner
 from sao_actor_learner.launch.local_mt import ThreadRunner
-from sao_actor_learner.launch.program import (Handle, Node, Program, PyNode, PyNodeHandle,
-                                              ServiceHandle, ServiceNode, find_handles)
+from sao_actor_learner.launch.program import (LAUNCH_TYPES, Handle, Node, Program, PyNode,
+                                              PyNodeHandle, ServiceHandle, ServiceNode,
+                                              find_handles)
 from sao_actor_learner.launch.records import NodeFailedError
 from sao_actor_learner.launch.runner import Runner
 from sao_actor_learner.launch.supervisor import RestartPolicy
@@ -50,7 +51,6 @@ from sao_actor_learner.launch.supervisor import RestartPolicy
 __all__ = ["Program", "PyNode", "ServiceNode", "Handle", "launch", "NodeFailedError", "Launched",
            "Node", "ServiceHandle", "PyNodeHandle", "LAUNCH_TYPES", "RestartPolicy", "Runner"]
 
-LAUNCH_TYPES = ("local_mp", "local_mt", "ray")
 
 
 def launch(program: Program, launch_type: str = "local_mp", run_dir: Optional[str] = None,

@@ -32,6 +32,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 __all__ = ["Program", "Node", "PyNode", "ServiceNode", "Handle", "ServiceHandle",
            "PyNodeHandle", "map_handles", "find_handles"]
 
+# How a program can be launched (launch(..., launch_type=...)).
+LAUNCH_TYPES = ("local_mt", "local_mp", "ray")
+
 
 class Handle:
     """A reference to a node of a program, to pass in other nodes' arguments.

@@ -1,137 +1,16 @@
-"""Advantage estimators (docs/METHOD.md section 7). Pure functions on [B, T] tensors.
+"""Advantage functions of the learner (docs/METHOD.md section 7), by name.
 
-Every tensor is aligned to token positions: index t describes token x_t. `values[:, t]` is the
-critic's estimate of the state before action token x_t is emitted (the learner reads it from the
-critic's output at position t-1). `rewards[:, t]` is the reward credited at token t; rewards on
-non-action tokens are ignored (the actor credits a turn's reward to the turn's last action token).
-
-No reverb, tensorflow or grpc here.
+They live in `sao_actor_learner.learner_math`, the math the learner shares with `kernels/`
+(whose `skip_observation_gae` runs the reference below on its torch backend); this module names
+them for the learner's estimators: the length-adaptive lambda, skip-observation GAE, plain
+token-level GAE (the ablation) and whitening. Pure functions on [B, T] tensors aligned to token
+positions (see learner_math). No reverb, tensorflow or grpc here.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from sao_actor_learner.learner_math import (Lambda, as_row_tensor, length_adaptive_lambda,
+                                            masked_whiten, skip_observation_gae,
+                                            token_level_gae)
 
-import torch
-
-Lambda = Union[float, torch.Tensor]
-
-
-def length_adaptive_lambda(num_action_tokens: torch.Tensor, alpha: float) -> torch.Tensor:
-    """lambda = 1 - 1 / (alpha * n), clamped to [0, 1]; n = 0 gives 0 (VAPO's rule).
-
-    num_action_tokens: [B] counts (int or float). Returns a float [B] tensor.
-    """
-    if alpha <= 0:
-        raise ValueError(f"alpha={alpha}: must be > 0 (SAO review: 1.5; VAPO: 0.05)")
-    n = torch.as_tensor(num_action_tokens).to(torch.float32)
-    lam = 1.0 - 1.0 / (alpha * n.clamp(min=1e-8))
-    return torch.where(n > 0, lam.clamp(0.0, 1.0), torch.zeros_like(lam))
-
-
-def _as_row_tensor(x: Lambda, batch: int, like: torch.Tensor) -> torch.Tensor:
-    t = torch.as_tensor(x, dtype=like.dtype, device=like.device)
-    if t.ndim == 0:
-        t = t.expand(batch)
-    if t.shape != (batch,):
-        raise ValueError(f"lambda must be a float or a [B]={batch} tensor, got shape {tuple(t.shape)}")
-    return t
-
-
-def _reverse_gae_scan(rewards: torch.Tensor, values: torch.Tensor, step_mask: torch.Tensor,
-                      gamma: float, lam: torch.Tensor, bootstrap: torch.Tensor) -> torch.Tensor:
-    """GAE over the steps marked in `step_mask`, each step's successor being the next marked step.
-
-    The marked steps of every row are compacted to the front (a stable sort keeps their order),
-    scanned backwards in one loop over columns (vectorised over rows), and scattered back.
-    bootstrap: [B] value after the last step (0 for terminal rows).
-    """
-    B, T = rewards.shape
-    order = torch.argsort((~step_mask).to(torch.int8), dim=1, stable=True)  # marked steps first
-    r = rewards.gather(1, order)
-    v = values.gather(1, order)
-    m = step_mask.gather(1, order)
-    n_max = int(step_mask.sum(1).max().item()) if B else 0
-    adv = torch.zeros_like(r)
-    next_value = bootstrap.to(r.dtype)
-    next_adv = torch.zeros(B, dtype=r.dtype, device=r.device)
-    for k in range(n_max - 1, -1, -1):
-        mk = m[:, k]
-        delta = r[:, k] + gamma * next_value - v[:, k]
-        a = delta + gamma * lam * next_adv
-        adv[:, k] = torch.where(mk, a, torch.zeros_like(a))
-        next_value = torch.where(mk, v[:, k], next_value)
-        next_adv = torch.where(mk, a, next_adv)
-    return torch.zeros_like(adv).scatter(1, order, adv)
-
-
-def skip_observation_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
-                         gamma: float, lam: Lambda,
-                         bootstrap_values: Optional[torch.Tensor] = None
-                         ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Skip-observation token-level GAE (docs/METHOD.md section 7).
-
-    The successor of action token t_k is the next action token t_{k+1}, whatever observation
-    tokens lie between them; the last action token of a row is terminal (plus
-    gamma * bootstrap_values[b] when given, for truncated rows).
-
-        delta_k = r[t_k] + gamma * V(t_{k+1}) - V(t_k);   A_k = delta_k + gamma * lam * A_{k+1}
-
-    Args:
-      rewards, values, action_mask: [B, T], aligned to token positions.
-      lam: a float or a [B] tensor (e.g. `length_adaptive_lambda`).
-      bootstrap_values: optional [B] value after the last action token (0 = terminal).
-    Returns:
-      (advantages, returns), [B, T]; returns = advantages + values; both zero off action tokens.
-    """
-    mask = action_mask.bool()
-    values = values.detach()
-    B = rewards.shape[0]
-    lam_t = _as_row_tensor(lam, B, values)
-    boot = torch.zeros(B, dtype=values.dtype, device=values.device) if bootstrap_values is None \
-        else bootstrap_values.detach().to(values.dtype)
-    adv = _reverse_gae_scan(rewards.to(values.dtype), values, mask, gamma, lam_t, boot)
-    zero = torch.zeros_like(adv)
-    adv = torch.where(mask, adv, zero)
-    returns = torch.where(mask, adv + values, zero)
-    return adv, returns
-
-
-def token_level_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
-                    gamma: float, lam: Lambda,
-                    bootstrap_values: Optional[torch.Tensor] = None
-                    ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Plain token-level GAE, the ablation of `skip_observation_gae`.
-
-    Every token from a row's first to its last action token is a step, observation tokens
-    included: the recursion bootstraps through the critic's values on observation tokens as if
-    they were actions. Advantages and returns are reported on action tokens only.
-    """
-    mask = action_mask.bool()
-    values = values.detach()
-    B, T = mask.shape
-    pos = torch.arange(T, device=mask.device).expand(B, T)
-    big = torch.full_like(pos, T)
-    first = torch.where(mask, pos, big).min(1).values
-    last = torch.where(mask, pos, -torch.ones_like(pos)).max(1).values
-    span = (pos >= first[:, None]) & (pos <= last[:, None])
-    lam_t = _as_row_tensor(lam, B, values)
-    boot = torch.zeros(B, dtype=values.dtype, device=values.device) if bootstrap_values is None \
-        else bootstrap_values.detach().to(values.dtype)
-    rew = torch.where(mask, rewards.to(values.dtype), torch.zeros_like(values))
-    adv = _reverse_gae_scan(rew, values, span, gamma, lam_t, boot)
-    zero = torch.zeros_like(adv)
-    adv = torch.where(mask, adv, zero)
-    returns = torch.where(mask, adv + values, zero)
-    return adv, returns
-
-
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the masked entries; zero elsewhere. Used to normalise advantages."""
-    m = mask.bool()
-    n = m.sum()
-    if n < 2:
-        return torch.where(m, x, torch.zeros_like(x))
-    vals = x[m]
-    mean = vals.mean()
-    std = vals.std(unbiased=False)
-    return torch.where(m, (x - mean) / (std + eps), torch.zeros_like(x))
+__all__ = ["Lambda", "as_row_tensor", "length_adaptive_lambda", "masked_whiten",
+           "skip_observation_gae", "token_level_gae"]

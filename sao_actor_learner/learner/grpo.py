@@ -25,6 +25,17 @@ import torch
 from sao_actor_learner.types import Rollout
 
 
+def group_members(group_ids: Sequence[Hashable], count: int) -> List[List[int]]:
+    """The indices of each group's members (first-seen order); ValueError unless there is one
+    group id per reward (`count`)."""
+    if len(group_ids) != count:
+        raise ValueError(f"{len(group_ids)} group ids for {count} rewards")
+    index: Dict[Hashable, List[int]] = collections.defaultdict(list)
+    for i, g in enumerate(group_ids):
+        index[g].append(i)
+    return list(index.values())
+
+
 def group_normalized_advantages(rewards: torch.Tensor, group_ids: Sequence[Hashable],
                                 scale_by_std: bool = True, eps: float = 1e-6
                                 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -35,14 +46,9 @@ def group_normalized_advantages(rewards: torch.Tensor, group_ids: Sequence[Hasha
     scale_by_std, a group whose rewards are all equal has advantage 0 too.
     """
     rewards = torch.as_tensor(rewards, dtype=torch.float64)
-    if len(group_ids) != rewards.shape[0]:
-        raise ValueError(f"{len(group_ids)} group ids for {rewards.shape[0]} rewards")
-    index: Dict[Hashable, List[int]] = collections.defaultdict(list)
-    for i, g in enumerate(group_ids):
-        index[g].append(i)
     adv = torch.zeros_like(rewards)
     means = torch.zeros_like(rewards)
-    for members in index.values():
+    for members in group_members(group_ids, rewards.shape[0]):
         idx = torch.as_tensor(members)
         r = rewards[idx]
         mean = r.mean()

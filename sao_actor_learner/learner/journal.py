@@ -1,11 +1,12 @@
 """The learner's data position: what it has sampled since its last checkpoint, and resuming.
 
-A learner checkpoint (builder.save_learner_checkpoint) holds the policy, critic, optimisers,
+A learner checkpoint (learner/checkpointing.py) holds the policy, critic, optimisers,
 version, counters and RNG state at the end of a step. Replay hands out each rollout once, so the
 rollouts the learner took after that checkpoint exist nowhere else when it crashes. The journal
-keeps them: `JournaledReader` wraps the learner's reader and appends each rollout, as it arrives
-from replay (RolloutReader's `on_fetched`), to `<checkpoints>/journal/after_step_<N>.log` (N:
-the version of the checkpoint it follows), before the learner can use it.
+keeps them: `JournaledReader` (a core.RolloutSource) wraps the learner's replay reader (another)
+and appends each rollout, as it arrives from replay (RolloutReader's `on_fetched`), to
+`<checkpoints>/journal/after_step_<N>.log` (N: the version of the checkpoint it follows),
+before the learner can use it.
 
 Resuming (after a crash, a `kill -9`, or `--resume`): the learner is rebuilt from the newest
 complete checkpoint, then its reader first hands back the journalled rollouts, in order, before
@@ -18,7 +19,7 @@ weights. With no checkpoint yet, the redo starts from the initial weights (versi
 Rollouts in transit when the learner is killed (replay removed them as it sent them; the journal
 had not yet written them) are not lost: their actors still hold them (they keep every rollout
 until the learner acknowledges it) and re-insert them when the restarted learner starts a new
-loss epoch (learner.py).
+loss epoch (learner/progress.py).
 
 Each journal record is one write: a 12-byte header (magic, length, crc32) and the pickled list
 of rollouts. A record torn by a crash mid-write fails its crc and is ignored. A write that
@@ -140,69 +141,65 @@ class ReaderJournal:
                 self._fd = None
 
 
-class JournaledReader(core.RolloutSource):
-    """The learner's reader (a core.RolloutSource), journalling every rollout it takes from replay, and handing back
-    the journalled `replay` first.
+OnFetched = Callable[[Any], None]
 
-    reader: a RolloutReader-like object, or a factory `make(on_fetched)` building one that calls
-      `on_fetched(rollout)` as each rollout arrives from replay (RolloutReader's `on_fetched`):
-      then rollouts are journalled at once, even those a crash leaves in the reader's buffer;
-      a plain reader's `sample()` results are journalled when they are returned.
+
+class JournaledReader(core.RolloutSource):
+    """The learner's rollout source: another core.RolloutSource (the replay reader) whose
+    rollouts are journalled as they arrive, after handing back the journalled `replay` first.
+
+    `JournaledReader(source, journal, replay)` journals what `source.sample()` returns.
+    `JournaledReader.at_fetch(make_source, journal, replay)` builds the source with
+    `make_source(on_fetched)`, a source that calls `on_fetched(rollout)` as each rollout arrives
+    from replay (RolloutReader's `on_fetched`): then rollouts are journalled at once, even those
+    a crash leaves in the source's buffer.
+
     replay: journalled records to hand back, in order, before sampling replay again (a
       deterministic learner then redoes exactly the steps it lost: only the order of the
       rollouts matters, as the learner never asks for more than it uses).
     """
 
-    def __init__(self, reader: Any, journal: ReaderJournal,
-                 replay: Sequence[Sequence[Any]] = ()) -> None:
+    def __init__(self, source: core.RolloutSource, journal: ReaderJournal,
+                 replay: Sequence[Sequence[Any]] = (), fetched: Optional[FetchedRollouts] = None
+                 ) -> None:
+        """`fetched`: what `source` journals as it fetches (set by `at_fetch`), else None."""
         self.journal = journal
-        self._lock = threading.Lock()
-        self._unreturned: "collections.deque" = collections.deque()  # journalled, not returned
-        if callable(reader) and not hasattr(reader, "sample"):
-            self._reader = reader(self._fetched)
-            self._journal_at_fetch = True
-        else:
-            self._reader = reader
-            self._journal_at_fetch = False
+        self._source = source
+        self._fetched = fetched
+        self._lock = fetched.lock if fetched is not None else threading.Lock()
         self._replay: List[Any] = [r for record in replay for r in record]
         self.replayed = 0              # rollouts handed back from the journal
+
+    @classmethod
+    def at_fetch(cls, make_source: Callable[[OnFetched], core.RolloutSource],
+                 journal: ReaderJournal, replay: Sequence[Sequence[Any]] = ()
+                 ) -> "JournaledReader":
+        """A JournaledReader over `make_source(on_fetched)`, journalling in `on_fetched`."""
+        fetched = FetchedRollouts(journal)
+        return cls(make_source(fetched.record), journal, replay, fetched)
 
     @property
     def replaying(self) -> bool:
         """Whether journalled rollouts are still waiting to be handed back."""
         return bool(self._replay)
 
-    def _fetched(self, rollout: Any) -> None:
-        """In the reader's fetch thread: journal the rollout before anyone can use it."""
-        with self._lock:
-            self.journal.record([rollout])
-            self._unreturned.append(rollout)
-
-    def sample(self, n: int, timeout_s: float, min_items: int = 1) -> List[Any]:
+    def sample(self, n: int, timeout_s: float) -> List[Any]:
         if self._replay and n > 0:
             got, self._replay = self._replay[:n], self._replay[n:]
             self.replayed += len(got)
             return got           # already in the journal segment being appended to
         try:
-            got = self._reader.sample(n, timeout_s, min_items=min_items)
+            got = self._source.sample(n, timeout_s)
         except RuntimeError as e:
             if self.journal.failed is not None:   # the fetch thread could not journal: stop
                 raise self.journal.failed from e
-            # Replay went away mid-fetch (a restart): its items that reached the reader stay
+            # Replay went away mid-fetch (a restart): its items that reached the source stay
             # buffered for the next call; wait a little and report nothing now.
             logging.warning("replay sampling failed (%s); retrying", e)
             time.sleep(min(max(timeout_s, 0.0), 0.5))
             return []
-        if self._journal_at_fetch:
-            with self._lock:
-                if got:   # usually the oldest ones; removed wherever they are
-                    returned = {id(r) for r in got}
-                    self._unreturned = collections.deque(
-                        r for r in self._unreturned if id(r) not in returned)
-                if len(self._unreturned) > 4096:
-                    logging.log_every_n_seconds(
-                        logging.WARNING, "JournaledReader: %d journalled rollouts were never "
-                        "returned by the reader", 60, len(self._unreturned))
+        if self._fetched is not None:
+            self._fetched.returned(got)
         elif got:
             self.journal.record(got)
         return got
@@ -210,9 +207,10 @@ class JournaledReader(core.RolloutSource):
     def checkpoint(self, after_step: int, commit: Callable[[], Any]) -> Any:
         """Writes checkpoint `after_step` with `commit()` and starts the journal segment after
         it, carrying what the learner has not used yet (journalled rollouts still to hand back,
-        and fetched ones still in the reader's buffer); returns commit()'s result."""
-        with self._lock:
-            carry = [r for r in (self._replay, list(self._unreturned)) if r]
+        and fetched ones still in the source's buffer); returns commit()'s result."""
+        with self._lock:     # no fetch is journalled while the segments rotate
+            pending = [] if self._fetched is None else list(self._fetched.unreturned)
+            carry = [r for r in (self._replay, pending) if r]
             return self.journal.rotate(after_step, commit, carry=carry)
 
     def journal_bytes(self) -> int:
@@ -224,7 +222,7 @@ class JournaledReader(core.RolloutSource):
         """Rollouts waiting in replay; -1 while replay does not answer (it is restarting): a
         metric must not take the learner down."""
         try:
-            return self._reader.queue_size()
+            return self._source.queue_size()
         except (TimeoutError, RuntimeError) as e:
             logging.log_every_n_seconds(logging.WARNING, "replay unreachable for queue_size: %s",
                                         30, e)
@@ -232,25 +230,47 @@ class JournaledReader(core.RolloutSource):
 
     @property
     def buffered(self) -> int:
-        return getattr(self._reader, "buffered", 0)
+        return self._source.buffered
 
     @property
     def rejected(self) -> dict:
-        return dict(getattr(self._reader, "rejected", {}))
+        return dict(self._source.rejected)
 
     @property
     def interruptions(self) -> int:
-        return getattr(self._reader, "interruptions", 0)
-
-    @property
-    def sampled(self) -> int:
-        return getattr(self._reader, "sampled", 0) + self.replayed
+        return self._source.interruptions
 
     def close(self) -> None:
-        closer = getattr(self._reader, "close", None)
-        if closer is not None:
-            closer()
+        self._source.close()
         self.journal.close()
+
+
+class FetchedRollouts:
+    """The rollouts a source journalled as they arrived (in its fetch thread, `record`) and
+    `sample()` has not returned yet (`unreturned`: a checkpoint carries them)."""
+
+    def __init__(self, journal: ReaderJournal) -> None:
+        self.journal = journal
+        self.lock = threading.Lock()
+        self.unreturned: "collections.deque" = collections.deque()
+
+    def record(self, rollout: Any) -> None:
+        """In the source's fetch thread: journal the rollout before anyone can use it."""
+        with self.lock:
+            self.journal.record([rollout])
+            self.unreturned.append(rollout)
+
+    def returned(self, got: Sequence[Any]) -> None:
+        """`got` left through sample(): usually the oldest ones; removed wherever they are."""
+        with self.lock:
+            if got:
+                ids = {id(r) for r in got}
+                self.unreturned = collections.deque(r for r in self.unreturned
+                                                    if id(r) not in ids)
+            if len(self.unreturned) > 4096:
+                logging.log_every_n_seconds(
+                    logging.WARNING, "JournaledReader: %d journalled rollouts were never "
+                    "returned by the source", 60, len(self.unreturned))
 
 
 # --- resuming -----------------------------------------------------------------------------------
@@ -322,9 +342,19 @@ class ResumePoint:
         """Whether there is anything to resume from (else a fresh start)."""
         return self.checkpoint is not None or bool(self.replay)
 
-    def reader(self, reader: Any) -> JournaledReader:
-        """`reader` (or a factory, see JournaledReader) wrapped to journal from here on, after
-        handing back `replay`. After a fallback the chain is first written as one segment."""
+    def reader(self, source: core.RolloutSource) -> JournaledReader:
+        """`source` wrapped to journal what it returns from here on, after handing back
+        `replay`. After a fallback the chain is first written as one segment."""
+        return JournaledReader(source, self._journal(), self.replay)
+
+    def reader_at_fetch(self, make_source: Callable[[OnFetched], core.RolloutSource]
+                        ) -> JournaledReader:
+        """As `reader`, over `make_source(on_fetched)`, journalling each rollout as it arrives
+        (JournaledReader.at_fetch): the learner's replay reader."""
+        return JournaledReader.at_fetch(make_source, self._journal(), self.replay)
+
+    def _journal(self) -> ReaderJournal:
+        """The journal from here on (a fallback's chain first rewritten as one segment)."""
         if self._later and (self.skipped or self._extra):
             path = segment_path(self.journal_dir, self.step)
             _, meta, _ = read_segment_meta(path)
@@ -336,7 +366,7 @@ class ResumePoint:
             logging.warning("learner: journal segments after step %d merged into %s: %s",
                             self.step, path, self._later)
             self._later = []
-        return JournaledReader(reader, ReaderJournal(self.journal_dir, self.step), self.replay)
+        return ReaderJournal(self.journal_dir, self.step)
 
     def restore(self, learner: Any) -> None:
         """Loads the checkpoint's learner state into `learner` (whose policy was built from the

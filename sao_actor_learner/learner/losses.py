@@ -1,17 +1,23 @@
 """Policy and value losses (docs/METHOD.md sections 4-6). Pure functions on [B, T] tensors.
 
 Every loss is a token-level mean over the action tokens of the whole batch. Statistics are
-returned as plain floats so callers can log them. No reverb, tensorflow or grpc here.
+returned as plain floats so callers can log them. The policy losses are registered by name in
+learner/registry.py (their function, their options as config fields, whether they need the old
+policy's log-probs); `policy_loss(name, ...)` runs one by its entry. The DIS loss and the ratio
+helpers are in `sao_actor_learner.learner_math` (shared with the kernels) and re-exported here.
+No reverb, tensorflow or grpc here.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional, Tuple
 
 import torch
 
-NORMALIZATIONS = ("action_tokens", "kept_tokens")
-# exp() of log-ratios beyond this is clamped; such tokens are far outside any trust band.
-_MAX_LOG_RATIO = 20.0
+from sao_actor_learner.config.learner import LearnerConfig
+from sao_actor_learner.learner import registry
+from sao_actor_learner.learner_math import (  # noqa: F401  (re-exported)
+    NORMALIZATIONS, clamped_log_ratio, dis_policy_loss, loss_denominator, ratio_stats)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -22,75 +28,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     picked = lp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
-
-
-def _ratio_stats(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor,
-                 below: torch.Tensor, above: torch.Tensor) -> Dict[str, float]:
-    n = mask.sum().clamp(min=1.0)
-    r = ratio[mask.bool()]
-    lr = log_ratio[mask.bool()]
-    stats = {
-        "num_action_tokens": float(mask.sum()),
-        "masked_below_frac": float((below * mask).sum() / n),
-        "masked_above_frac": float((above * mask).sum() / n),
-    }
-    stats["masked_frac"] = stats["masked_below_frac"] + stats["masked_above_frac"]
-    if r.numel():
-        stats["ratio_mean"] = float(r.mean())
-        stats["ratio_max"] = float(r.max())
-        stats["ratio_min"] = float(r.min())
-        # KL(rollout || current) estimated per token as r - 1 - log r (k3 estimator).
-        stats["kl_rollout"] = float((r - 1.0 - lr).mean())
-        stats["ess"] = float(r.sum() ** 2 / (r.numel() * (r ** 2).sum()).clamp(min=1e-12))
-    else:
-        stats.update(ratio_mean=1.0, ratio_max=1.0, ratio_min=1.0, kl_rollout=0.0, ess=1.0)
-    return stats
-
-
-def _denominator(normalizer: Optional[float], count: torch.Tensor) -> torch.Tensor:
-    """The loss denominator: `normalizer` when given, else `count`; at least 1."""
-    if normalizer is not None:
-        return count.new_tensor(max(float(normalizer), 1.0))
-    return count.clamp(min=1.0)
-
-
-def _log_ratio(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    lr = torch.where(mask.bool(), logp - ref_logp, torch.zeros_like(logp))
-    return lr.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-
-
-def dis_policy_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.Tensor,
-                    action_mask: torch.Tensor, eps_low: float, eps_high: float,
-                    normalization: str = "action_tokens", normalizer: Optional[float] = None
-                    ) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """Direct double-sided importance sampling (docs/METHOD.md section 4).
-
-        r_t    = exp(logp[t] - rollout_logp[t])
-        keep_t = mask[t] * 1[1 - eps_low <= r_t <= 1 + eps_high]        (no gradient through keep)
-        L      = - sum_t keep_t * r_t * A_t / sum_t mask[t]
-
-    Tokens outside the band are dropped from the gradient, not clipped. normalization=
-    "kept_tokens" divides by sum(keep) instead (the alternative kept as an option); a given
-    `normalizer` replaces either (a whole batch's count when this call sees a micro-batch).
-    Returns (loss, stats) with masked_below_frac, masked_above_frac, masked_frac, ratio_mean,
-    ratio_max, ratio_min, kl_rollout, ess, num_action_tokens, num_kept_tokens.
-    """
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization={normalization!r}: must be one of {NORMALIZATIONS}")
-    mask = action_mask.to(logp.dtype)
-    log_ratio = _log_ratio(logp, rollout_logp, mask)
-    ratio = torch.exp(log_ratio)
-    with torch.no_grad():
-        below = (ratio < 1.0 - eps_low).to(logp.dtype)
-        above = (ratio > 1.0 + eps_high).to(logp.dtype)
-        keep = mask * (1.0 - below) * (1.0 - above)
-    denom = _denominator(normalizer, mask.sum() if normalization == "action_tokens"
-                         else keep.sum())
-    loss = -(keep * ratio * advantages.detach()).sum() / denom
-    stats = _ratio_stats(log_ratio.detach(), ratio.detach(), mask, below, above)
-    stats["num_kept_tokens"] = float(keep.sum())
-    stats["policy_loss"] = float(loss.detach())
-    return loss, stats
 
 
 def value_loss(values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor,
@@ -109,7 +46,7 @@ def value_loss(values: torch.Tensor, returns: torch.Tensor, action_mask: torch.T
         old = old_values.detach()
         clipped = old + (values - old).clamp(-clip, clip)
         err = torch.maximum(err, 0.5 * (clipped - returns) ** 2)
-    loss = (err * mask).sum() / _denominator(normalizer, mask.sum())
+    loss = (err * mask).sum() / loss_denominator(normalizer, mask.sum())
     stats = {"value_loss": float(loss.detach()),
              "explained_variance": explained_variance(values.detach(), returns, mask)}
     return loss, stats
@@ -141,12 +78,12 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 # PPO ratio is 1 and PPO-clip is the plain policy gradient; the clip acts from the second
 # minibatch on (config policy_minibatches).
 
-POLICY_LOSS_NAMES = ("dis", "ppo_clip", "tis", "icepop", "none")
+POLICY_LOSS_NAMES = registry.POLICY_LOSS_NAMES
 # Losses whose ratio is taken against the recomputed old policy.
-NEEDS_OLD_LOGP = ("ppo_clip", "tis", "icepop")
+NEEDS_OLD_LOGP = tuple(p.name for p in registry.POLICY_LOSSES.values() if p.needs_old_logp)
 
 
-def _check_normalization(normalization: str) -> None:
+def check_normalization(normalization: str) -> None:
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r}: must be one of {NORMALIZATIONS}")
 
@@ -159,10 +96,10 @@ def drift_stats(logp: torch.Tensor, rollout_logp: torch.Tensor,
     an estimate of KL(mu || pi_theta)), ess ((sum r)^2 / (n sum r^2)), num_action_tokens.
     """
     mask = action_mask.to(logp.dtype)
-    log_ratio = _log_ratio(logp.detach(), rollout_logp, mask)
+    log_ratio = clamped_log_ratio(logp.detach(), rollout_logp, mask)
     ratio = torch.exp(log_ratio)
     zero = torch.zeros_like(mask)
-    stats = _ratio_stats(log_ratio, ratio, mask, zero, zero)
+    stats = ratio_stats(log_ratio, ratio, mask, zero, zero)
     for key in ("masked_below_frac", "masked_above_frac", "masked_frac"):
         del stats[key]
     return stats
@@ -190,10 +127,10 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     clip_above_frac, masked_frac (= clip_frac here), ppo_ratio_mean/max, policy_loss, and the
     drift stats of `drift_stats` against rollout_logp (against old_logp when it is None).
     """
-    _check_normalization(normalization)
+    check_normalization(normalization)
     mask = action_mask.to(logp.dtype)
     old = old_logp.detach()
-    log_rho = _log_ratio(logp, old, mask)
+    log_rho = clamped_log_ratio(logp, old, mask)
     rho = torch.exp(log_rho)
     adv = advantages.detach()
     weights = torch.ones_like(mask) if behaviour_weights is None else behaviour_weights.detach()
@@ -204,7 +141,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
         clip_below = ((rho < 1.0 - clip_low) & (adv < 0)).to(logp.dtype) * mask
         clip_above = ((rho > 1.0 + clip_high) & (adv > 0)).to(logp.dtype) * mask
         nonzero = mask * (weights > 0).to(logp.dtype)
-    denom = _denominator(normalizer, mask.sum() if normalization == "action_tokens"
+    denom = loss_denominator(normalizer, mask.sum() if normalization == "action_tokens"
                          else nonzero.sum())
     loss = (per_token * mask).sum() / denom
     stats = drift_stats(logp, rollout_logp if rollout_logp is not None else old, action_mask)
@@ -239,7 +176,7 @@ def tis_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: to
         raise ValueError(f"cap={cap}: the TIS cap C must be > 0 (typical: 2)")
     mask = action_mask.to(logp.dtype)
     with torch.no_grad():
-        k = torch.exp(_log_ratio(old_logp.detach(), rollout_logp, mask))
+        k = torch.exp(clamped_log_ratio(old_logp.detach(), rollout_logp, mask))
         weights = k.clamp(max=cap)
         truncated = (k > cap).to(logp.dtype) * mask
     loss, stats = ppo_clip_loss(logp, old_logp, advantages, action_mask, clip_low, clip_high,
@@ -270,7 +207,7 @@ def icepop_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp:
                          "0 < band_low <= 1 <= band_high (IcePop: 0.5 and 5)")
     mask = action_mask.to(logp.dtype)
     with torch.no_grad():
-        k = torch.exp(_log_ratio(old_logp.detach(), rollout_logp, mask))
+        k = torch.exp(clamped_log_ratio(old_logp.detach(), rollout_logp, mask))
         below = (k < band_low).to(logp.dtype) * mask
         above = (k > band_high).to(logp.dtype) * mask
         weights = k * mask * (1.0 - below) * (1.0 - above)
@@ -286,17 +223,19 @@ def icepop_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp:
 
 def no_correction_loss(logp: torch.Tensor, advantages: torch.Tensor, action_mask: torch.Tensor,
                        rollout_logp: Optional[torch.Tensor] = None,
-                       normalizer: Optional[float] = None
+                       normalizer: Optional[float] = None, normalization: str = "action_tokens"
                        ) -> Tuple[torch.Tensor, Dict[str, float]]:
     """The plain policy gradient, treating every rollout as on-policy (no IS, no clip, no mask).
 
         L = - sum_t mask_t * A_t * logp[t] / sum_t mask_t
 
     Its value is not comparable to the other losses; its gradient is what they correct.
-    Drift stats are reported against rollout_logp when given; masked_frac is 0.
+    Drift stats are reported against rollout_logp when given; masked_frac is 0. Every token is
+    kept, so both normalizations divide by the action tokens.
     """
+    check_normalization(normalization)
     mask = action_mask.to(logp.dtype)
-    loss = -(mask * advantages.detach() * logp).sum() / _denominator(normalizer, mask.sum())
+    loss = -(mask * advantages.detach() * logp).sum() / loss_denominator(normalizer, mask.sum())
     ref = rollout_logp if rollout_logp is not None else logp.detach()
     stats = drift_stats(logp, ref, action_mask)
     stats["masked_frac"] = 0.0
@@ -307,34 +246,32 @@ def no_correction_loss(logp: torch.Tensor, advantages: torch.Tensor, action_mask
 
 def policy_loss(name: str, logp: torch.Tensor, rollout_logp: torch.Tensor,
                 advantages: torch.Tensor, action_mask: torch.Tensor,
-                old_logp: Optional[torch.Tensor] = None, *, eps_low: float = 0.3,
-                eps_high: float = 5.0, clip_low: float = 0.2, clip_high: float = 0.2,
-                tis_cap: float = 2.0, icepop_low: float = 0.5, icepop_high: float = 5.0,
-                normalization: str = "action_tokens", normalizer: Optional[float] = None
+                old_logp: Optional[torch.Tensor] = None, *, options: Optional[LearnerConfig] = None,
+                normalizer: Optional[float] = None, kernel: bool = False, **fields
                 ) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """The policy loss called `name` (one of POLICY_LOSS_NAMES) with its parameters.
+    """The policy loss registered as `name` (registry.POLICY_LOSSES), its options read from
+    `options` (the learner's config section; default LearnerConfig()) with `fields` (config
+    field names, e.g. eps_high=0.5) replacing some; loss_normalization from there too.
 
-    eps_low/eps_high: the DIS band; clip_low/clip_high: the PPO clip range; tis_cap: C;
-    icepop_low/icepop_high: IcePop's band. `old_logp` is required by NEEDS_OLD_LOGP losses.
-    `normalizer` replaces each loss's own denominator (a whole batch's, for micro-batches).
+    `old_logp` is required by the losses that need it (NEEDS_OLD_LOGP). `normalizer` replaces
+    each loss's own denominator (a whole batch's, for micro-batches). `kernel`: run the loss's
+    kernel (its entry's `kernel`, on options.kernel_backend) when it has one.
     """
-    if name not in POLICY_LOSS_NAMES:
-        raise ValueError(f"policy loss {name!r}: must be one of {', '.join(POLICY_LOSS_NAMES)}")
-    if name in NEEDS_OLD_LOGP and old_logp is None:
+    entry = registry.policy_loss(name)
+    if entry.needs_old_logp and old_logp is None:
         raise ValueError(f"policy loss {name!r} needs old_logp (log-probs of the policy before "
                          "this step's updates, recomputed without gradient)")
-    if name == "dis":
-        return dis_policy_loss(logp, rollout_logp, advantages, action_mask, eps_low, eps_high,
-                               normalization, normalizer=normalizer)
-    if name == "ppo_clip":
-        return ppo_clip_loss(logp, old_logp, advantages, action_mask, clip_low, clip_high,
-                             normalization, rollout_logp=rollout_logp, normalizer=normalizer)
-    if name == "tis":
-        return tis_policy_loss(logp, old_logp, rollout_logp, advantages, action_mask, tis_cap,
-                               clip_low, clip_high, normalization, normalizer=normalizer)
-    if name == "icepop":
-        return icepop_policy_loss(logp, old_logp, rollout_logp, advantages, action_mask,
-                                  icepop_low, icepop_high, clip_low, clip_high, normalization,
-                                  normalizer=normalizer)
-    return no_correction_loss(logp, advantages, action_mask, rollout_logp,
-                              normalizer=normalizer)
+    config = options if options is not None else LearnerConfig()
+    if fields:
+        config = dataclasses.replace(config, **fields)
+    kwargs = {keyword: getattr(config, field) for keyword, field in entry.options}
+    if entry.needs_old_logp:
+        kwargs["old_logp"] = old_logp
+    if kernel and entry.kernel:
+        function = registry.load(entry.kernel)
+        kwargs["backend"] = config.kernel_backend
+    else:
+        function = registry.load(entry.function)
+    return function(logp=logp, rollout_logp=rollout_logp, advantages=advantages,
+                    action_mask=action_mask, normalization=config.loss_normalization,
+                    normalizer=normalizer, **kwargs)

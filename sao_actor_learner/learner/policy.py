@@ -39,7 +39,8 @@ from absl import logging
 from sao_actor_learner import kernels
 from sao_actor_learner.config.learner import LearnerConfig
 from sao_actor_learner.distributions import sampling_logprobs
-from sao_actor_learner.learner import distributed, drift, losses, minibatches, packing
+from sao_actor_learner.learner import (distributed, drift, losses, minibatches, packing,
+                                       registry)
 from sao_actor_learner.learner.schedules import lr_factor
 from sao_actor_learner.models.value import base_model_of
 from sao_actor_learner.types import Batch
@@ -242,7 +243,7 @@ class PolicyTrainer:
         step with the policy (a shared-trunk value head; JointLoss)."""
         cfg = self.config
         self.policy.train()
-        if cfg.policy_loss in losses.NEEDS_OLD_LOGP and old_logp is None:
+        if registry.policy_loss(cfg.policy_loss).needs_old_logp and old_logp is None:
             old_logp = self.logprobs_no_grad(batch)
         logp_all = torch.zeros(batch.tokens.shape, dtype=torch.float32,
                                device=batch.tokens.device)
@@ -331,18 +332,11 @@ class PolicyTrainer:
 
     def _loss(self, batch: Batch, logp: torch.Tensor, advantages: torch.Tensor,
               old_logp: Optional[torch.Tensor], normalizer: Optional[float]):
-        """(loss, stats) of config.policy_loss; DIS runs on the kernel dispatcher."""
-        cfg = self.config
-        if cfg.policy_loss == "dis":
-            return kernels.dis_loss(logp, batch.rollout_logp, advantages, batch.action_mask,
-                                    cfg.eps_low, cfg.eps_high, cfg.loss_normalization,
-                                    backend=cfg.kernel_backend, normalizer=normalizer)
-        return losses.policy_loss(cfg.policy_loss, logp, batch.rollout_logp, advantages,
-                                  batch.action_mask, old_logp, eps_low=cfg.eps_low,
-                                  eps_high=cfg.eps_high, clip_low=cfg.ppo_clip_low,
-                                  clip_high=cfg.ppo_clip_high, tis_cap=cfg.tis_cap,
-                                  icepop_low=cfg.icepop_low, icepop_high=cfg.icepop_high,
-                                  normalization=cfg.loss_normalization, normalizer=normalizer)
+        """(loss, stats) of config.policy_loss, its options from the config; a loss with a
+        kernel (DIS) runs on the kernel dispatcher."""
+        return losses.policy_loss(self.config.policy_loss, logp, batch.rollout_logp, advantages,
+                                  batch.action_mask, old_logp, options=self.config,
+                                  normalizer=normalizer, kernel=True)
 
     def whole_batch_stats(self, batch: Batch, logp: torch.Tensor, advantages: torch.Tensor,
                           old_logp: Optional[torch.Tensor],
@@ -361,11 +355,7 @@ class PolicyTrainer:
         with torch.no_grad():
             _, stats = losses.policy_loss(
                 self.config.policy_loss, t["logp"], t["rollout_logp"], t["advantages"],
-                t["mask"], t.get("old_logp"), eps_low=self.config.eps_low,
-                eps_high=self.config.eps_high, clip_low=self.config.ppo_clip_low,
-                clip_high=self.config.ppo_clip_high, tis_cap=self.config.tis_cap,
-                icepop_low=self.config.icepop_low, icepop_high=self.config.icepop_high,
-                normalization=self.config.loss_normalization)
+                t["mask"], t.get("old_logp"), options=self.config)
             stats.update(drift.drift_stats(t["logp"], t["rollout_logp"], t["advantages"],
                                            t["mask"], t.get("entropy")))
         return stats

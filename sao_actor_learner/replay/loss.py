@@ -21,6 +21,10 @@ fetched (refused items too). `ReplayLossDetector.observe` compares the two:
 - Fewer removals than fetches (`removed - offset < fetched`) means the baseline counted items
   of ours in transit, or the server came back from a checkpoint with items we already fetched:
   the offset is lowered (the lowest consistent with what was seen).
+- A learner group: every rank's reader adds its fetches to one group-wide counter and rank 0's
+  detector reads that total as `fetched` (a rank's fetch counted a moment after the item left
+  the table is in transit like any other). A hung rank's uncounted fetches look like a theft:
+  the loss epoch that follows is harmless (copies are skipped by key).
 - Inserts going down means the table was reset (or replay restarted from an older checkpoint):
   what it held is gone; the verdict says so and the baseline starts again.
 
@@ -110,7 +114,8 @@ class ReplayLossDetector:
                                     "or deleted them)")
 
 
-def loss_detector(timeout_s: float, learners: int) -> Optional[ReplayLossDetector]:
-    """The learner reader's detector: None when off (timeout 0) or for a learner group, whose
-    ranks share the table, so that no rank alone can tell another's fetch from a theft."""
-    return ReplayLossDetector(timeout_s) if timeout_s > 0 and learners == 1 else None
+def loss_detector(timeout_s: float, judge: bool = True) -> Optional[ReplayLossDetector]:
+    """The learner reader's detector: None when off (timeout 0) or when this reader is not the
+    judge. A learner group's ranks share the table: they count their fetches in one group-wide
+    counter (RolloutReader's `fetch_counter`) and rank 0 alone compares it with the table."""
+    return ReplayLossDetector(timeout_s) if timeout_s > 0 and judge else None

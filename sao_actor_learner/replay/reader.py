@@ -1,21 +1,20 @@
-"""Samples rollouts from the replay table, with a timeout Reverb's client lacks.
+"""The learner's replay reader (a core.RolloutSource): samples rollouts from the replay table,
+with a timeout Reverb's client lacks.
 
 `reverb.Client.sample` (and the sampler under it) has no timeout: it blocks forever on an empty
 table. And a sampler left running prefetches: items leave the table (and free rate-limiter slots
 for the actors) before the learner asked for them. So the reader only asks Reverb for items the
 table already holds: `sample` learns the table size (from the last item fetched, which reports
 the size when it was taken: only this reader takes items, so at least that many are still there;
-else one `ServerInfo` round trip, ~0.1-0.5 ms, every 1 ms, backing off to 10 ms, while the table
-is empty) and a background thread fetches exactly min(wanted, available) items with one Reverb
-sampler, which therefore does not block. Should another consumer take those items first, the
+else one `ServerInfo` round trip every 1 ms, backing off to 10 ms, while the table is empty)
+and a background thread fetches exactly min(wanted, available) items with one Reverb sampler,
+which therefore does not block. Should another consumer take those items first, the
 fetch blocks in the background thread, never in `sample`: `sample` returns what it has when
 `timeout_s` passes, and items that arrive later wait in the reader's buffer for the next call
 (`buffered`).
 
-Measured here (programs/benchmarks/replay_path.py; 2 shared cores, server in another process,
-~2k-token items): `sample(32)` ~7-9k rollouts/s verified (~12k unverified); a bare Reverb sampler
-streaming undecoded items ~17-25k/s. Per item: the HMAC ~22 us, parsing and the checks ~15 us,
-and a new sampler per call (~0.4 ms, and the wait for its first item) ~20-30 us.
+Its throughput against a bare Reverb sampler, and the cost of each part per item (the HMAC, the
+checks, a sampler per call): BENCHMARKS.md section 3 (programs/benchmarks/replay_path.py).
 
 Decoded rollouts have the exact dtypes of types.py; their per-token columns are views into the
 sampled item (replay/item.py), not copies; the writer's padding is never read.
@@ -44,6 +43,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Union
 import numpy as np
 from absl import logging
 
+from sao_actor_learner import core
 from sao_actor_learner.replay import item
 from sao_actor_learner.replay.client import connect
 from sao_actor_learner.replay.loss import ReplayLossDetector
@@ -68,7 +68,7 @@ def decode_item(flat: Sequence[np.ndarray]) -> Rollout:
     return Rollout(**item.parse(flat[0]).columns)
 
 
-class RolloutReader:
+class RolloutReader(core.RolloutSource):
     """Samples rollouts in FIFO order, each once, never blocking past its timeout.
 
     Call `sample` from one thread (the learner's); one reader per consumer.
@@ -83,13 +83,18 @@ class RolloutReader:
         window in which a killed learner loses rollouts.
       verifier: checks every item (see the module docstring); None: trusted input (decode_item).
       loss_detector: a replay.loss.ReplayLossDetector (items taken by others, resets: the
-        module docstring), or None. Only for the table's one consumer.
+        module docstring), or None.
+      fetch_counter: where the table's legitimate consumers count their fetches when there are
+        several (a learner group's ranks): called with the number of items this reader just
+        took, returns the total of every reader; (0) reads it. The loss detector (rank 0's)
+        then judges that total. None: this reader is the table's only consumer.
     """
 
     def __init__(self, client_or_address: Union[str, Any], table: str = DEFAULT_TABLE,
                  on_fetched: Optional[Callable[[Rollout], None]] = None,
                  verifier: Optional[RolloutVerifier] = None,
-                 loss_detector: Optional[ReplayLossDetector] = None):
+                 loss_detector: Optional[ReplayLossDetector] = None,
+                 fetch_counter: Optional[Callable[[int], int]] = None):
         self._client = connect(client_or_address)
         self._table = table
         self._on_fetched = on_fetched
@@ -101,14 +106,22 @@ class RolloutReader:
         self._thread: Optional[threading.Thread] = None
         self._verifier = verifier
         self._rejected: Dict[str, int] = collections.Counter()
-        self.interruptions = 0     # fetches that failed mid-stream, and gaps of unreachability
+        self._interruptions = 0    # fetches that failed mid-stream, and gaps of unreachability
         self._unreachable = False
         self._known_left = 0       # the table's size after the last item fetched (_available)
         self.sampled = 0           # rollouts returned by sample()
         self.fetched = 0           # items taken from the table (refused ones too)
         self._loss = loss_detector
+        self._fetch_counter = fetch_counter
         self._loss_check_at = 0.0  # time.monotonic() of the next counter check
         self.lost_to_others = 0    # items the loss detector found taken by someone else
+
+    @property
+    def interruptions(self) -> int:
+        """Fetches that failed mid-stream, gaps of unreachability, and losses the loss detector
+        found (the module docstring)."""
+        with self._cond:
+            return self._interruptions
 
     @property
     def rejected(self) -> Dict[str, int]:
@@ -122,7 +135,8 @@ class RolloutReader:
         return len(self._buffer)
 
     def queue_size(self) -> int:
-        """Rollouts currently in the table (not counting `buffered`)."""
+        """Rollouts currently in the table (not counting `buffered`); TimeoutError when the
+        server does not answer within 1 s."""
         return self._client.table_status(self._table).current_size
 
     def sample(self, n: int, timeout_s: float, min_items: int = 1) -> List[Rollout]:
@@ -178,9 +192,12 @@ class RolloutReader:
         if self._loss is None or now < self._loss_check_at:
             return
         self._loss_check_at = now + _LOSS_CHECK_S
-        with self._cond:
-            fetched = self.fetched            # read first: never ahead of the counters
-        try:
+        try:   # read first: never ahead of the table's counters
+            if self._fetch_counter is not None:
+                fetched = self._fetch_counter(0)
+            else:
+                with self._cond:
+                    fetched = self.fetched
             status = self._client.table_status(self._table)
         except Exception:  # noqa: BLE001 - unreachable: _available counts the gap
             return
@@ -188,7 +205,7 @@ class RolloutReader:
         if verdict is not None:
             logging.warning("RolloutReader: replay lost items: %s", verdict.why)
             with self._cond:
-                self.interruptions += 1
+                self._interruptions += 1
                 self.lost_to_others += max(verdict.missing, 0)
 
     def _available(self) -> int:
@@ -210,7 +227,7 @@ class RolloutReader:
         if self._unreachable:   # back after a gap: it may have restarted, losing its items
             self._unreachable = False
             with self._cond:
-                self.interruptions += 1
+                self._interruptions += 1
         return size
 
     def _submit(self, k: int) -> None:
@@ -246,6 +263,8 @@ class RolloutReader:
                     sample = sampler.GetNextTrajectory()
                     with self._cond:
                         self.fetched += 1
+                    if self._fetch_counter is not None:
+                        self._fetch_counter(1)
                     left = int(sample[_TABLE_SIZE]) - 1   # the table's size when it was taken
                     rollout = self._decode(sample[_NUM_INFO_TENSORS:])
                     if rollout is None:
@@ -264,7 +283,7 @@ class RolloutReader:
             except Exception as e:  # handed to the caller by the next sample()
                 with self._cond:
                     self._error = e
-                    self.interruptions += 1
+                    self._interruptions += 1
             finally:
                 with self._cond:
                     self._request = 0

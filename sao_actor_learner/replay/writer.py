@@ -14,29 +14,20 @@ twice over; nearer full, one rollout per check, as `write`), every rollout of th
 the group's longest bucket and appended to that one bucket writer (so they land in order), one
 confirmation round trip per call instead of one per rollout. Each rollout is packed, signed and
 appended in turn, so Reverb's C++ threads compress and send one while Python packs the next. The
-appends go straight to Reverb's C++ writer (replay/client.py; its Python wrapper's bookkeeping
-added ~50 us per rollout, half the append's own cost). A rollout may thus be padded beyond its
-own bucket, to its group's.
+appends go straight to Reverb's C++ writer (replay/client.py), without its Python wrapper's
+bookkeeping (docs/FACTS.md). A rollout may thus be padded beyond its own bucket, to its group's.
 
-Pipelined (`send`, what the actors call: `write_many(..., wait_for_confirmation=False)`). A wait
-for the confirmation of every group drains the stream each time: measured, half the rollouts/s
-of a stream kept full. So `send` waits only for the group sent before (normally confirmed long
-ago) and leaves its own in flight; `flush` or `close` wait for it. The group before is always
-confirmed before a group goes to another bucket's writer, so the rollouts still land in order.
-What is in flight is lost if this process dies: the actor's spool then sends every rollout its
-predecessor sent and nobody acknowledged once more (actors/spool.py; the learner skips copies).
+Pipelined (`send`, what the actors call: `write_many(..., wait_for_confirmation=False)`): `send`
+waits only for the confirmation of the group sent before and leaves its own in flight; `flush` or
+`close` wait for it (replay/streams.py: the Reverb writers, the group in flight, retired writers).
 
-The free-slot check asks replay (one `ServerInfo`, ~0.2-0.5 ms) only when its last answer, less
+The free-slot check asks replay (one `ServerInfo` round trip) only when its last answer, less
 what this writer sent since, leaves less than twice the batch, or is older than _FREE_HINT_S
 (50 ms): only other writers' inserts can have taken slots since, which is a lost race (below),
 made rare by the margin and the age.
 
-Measured by programs/benchmarks/replay_path.py (BENCHMARKS.md section 3; 2 shared cores, server
-in another process, rollouts of ~2k tokens): `send` of 8 ~9-10k rollouts/s, the raw legacy
-`Writer` with one flush at the very end (no validation, no timeout, nothing confirmed until then)
-~16-19k/s on 12 columns and ~24-35k/s on the same bytes packed as ours. Per rollout: the HMAC
-~22 us, the checks (one C pass, replay/_itemfast.c) and the packing ~15 us, Reverb's append and
-create_item ~20 us.
+Throughput and the cost per rollout of each step (the HMAC, the checks and packing, Reverb's
+append) are measured by programs/benchmarks/replay_path.py: BENCHMARKS.md, section 3.
 
 Timeouts. Reverb cannot withdraw an item once it is sent: an insert that waits in the rate limiter
 lands whenever a slot frees, even after its writer is closed (checked here). So `write` first
@@ -76,16 +67,14 @@ import numpy as np
 from absl import logging
 
 from sao_actor_learner.replay import item
-from sao_actor_learner.replay.client import (SERVER_INFO_TIMEOUT_S, FlushTimeout,
-                                             TrajectoryWriter, connect)
+from sao_actor_learner.replay.client import SERVER_INFO_TIMEOUT_S, connect
+from sao_actor_learner.replay.streams import InsertStreams
 from sao_actor_learner.replay.tables import DEFAULT_TABLE
 from sao_actor_learner.replay.validation import (REJECT_REASONS, RolloutSigner,  # noqa: F401
                                                  check_rollout, checked_item_parts)
 from sao_actor_learner import core
 from sao_actor_learner.types import Rollout
 
-# After sending, wait at least this long for the server's confirmation even if timeout_s is spent.
-_MIN_CONFIRM_S = 0.05
 # Backoff of the free-slot poll while the table is full.
 _POLL_START_S = 0.001
 _POLL_MAX_S = 0.02
@@ -158,14 +147,10 @@ class RolloutWriter(core.RolloutSink):
             raise ValueError(f"buckets_per_octave={buckets_per_octave}: must be >= 1")
         self._buckets = np.asarray(bucket_lengths(self.max_sequence_length, buckets_per_octave))
         self._signer = signer
-        self._writers: Dict[int, TrajectoryWriter] = {}   # item bytes -> its writer
-        self._retired: List[Any] = []        # writers with an unconfirmed item, until it lands
-        self._retired_waiting: List[int] = []  # how many items each one still waits for
+        self._streams = InsertStreams(self._client, table)
         self._rejected: collections.Counter = collections.Counter()
         self._inserted = 0
         self._timeouts = 0
-        self._unconfirmed = 0
-        self._in_flight: Optional[Tuple[int, Any, int]] = None  # (size, writer, count): _settle
         self._free_hint = 0                  # see _free_slots
         self._free_hint_until = 0.0
         self._lock = threading.Lock()
@@ -191,11 +176,11 @@ class RolloutWriter(core.RolloutSink):
     def unconfirmed(self) -> int:
         """Inserted rollouts that were still waiting in the server's rate limiter when `write`
         returned (another writer took the free slot first); they land in order."""
-        return self._unconfirmed
+        return self._streams.unconfirmed
 
     def stats(self) -> Dict[str, Any]:
         return {"inserted": self._inserted, "timeouts": self._timeouts,
-                "unconfirmed": self._unconfirmed, "rejected": self.rejected}
+                "unconfirmed": self._streams.unconfirmed, "rejected": self.rejected}
 
     # --- writing ----------------------------------------------------------------------------------
     # --- core.RolloutSink --------------------------------------------------------------------
@@ -285,7 +270,7 @@ class RolloutWriter(core.RolloutSink):
         n = self._rejected[reason]
         if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... of each reason
             logging.warning("RolloutWriter: rejected rollout (prompt_id=%s): %s: %s [%d so far]",
-                            getattr(rollout, "prompt_id", "?"), reason, REJECT_REASONS[reason], n)
+                            rollout.prompt_id if isinstance(rollout, Rollout) else "?", reason, REJECT_REASONS[reason], n)
 
     def _free_slots(self, deadline: float, wanted: int) -> int:
         """How many inserts the table admits now: the last poll's answer minus what this writer
@@ -297,7 +282,7 @@ class RolloutWriter(core.RolloutSink):
             return self._free_hint
         # What is still in flight first, so that the table's size counts it; a lost race (it
         # waits in the rate limiter) means no free slot by the deadline.
-        if not self._settle(deadline):
+        if not self._streams.settle(deadline):
             return 0
         free = int(self._wait_for_free_slot(deadline))
         self._free_hint, self._free_hint_until = free, time.monotonic() + _FREE_HINT_S
@@ -309,14 +294,14 @@ class RolloutWriter(core.RolloutSink):
         delay = _POLL_START_S
         last_error: Optional[BaseException] = None
         while True:
-            self._reap_retired()
+            self._streams.reap_retired()
             remaining = deadline - time.monotonic()
             try:
                 status = self._client.table_status(
                     self._table, timeout_s=max(SERVER_INFO_TIMEOUT_S, int(np.ceil(remaining))))
                 size, capacity = status.current_size, status.insert_capacity
                 # Our own items still waiting in the rate limiter will take slots first.
-                free = capacity - size - self._retired_pending()
+                free = capacity - size - self._streams.waiting()
                 if free > 0:
                     return free
             except KeyError:
@@ -337,112 +322,18 @@ class RolloutWriter(core.RolloutSink):
 
     def _send_group(self, group: List[Tuple[Dict[str, Any], bytes]], deadline: float,
                     wait_for_confirmation: bool = True) -> Tuple[Optional[List[bool]], bool]:
-        """Packs, signs and sends the checked rollouts of `group` through the writer of the
-        longest one's bucket, padded to it, each appended as soon as it is packed (Reverb's C++
-        threads compress and send it while the next one is packed). Then waits once (until the
-        deadline, at least _MIN_CONFIRM_S) for their confirmation or, pipelined, only for that
-        of the group sent before, so the stream never runs dry (measured: 2x the rollouts/s of
-        a wait per group). Returns (per item whether replay confirmed it, pipelined: all False;
-        whether the wait timed out), or (None, True) when nothing was sent (the deadline passed
-        waiting for another stream's items, which must land first). When the wait times out,
-        the unconfirmed items (always the last ones: one stream lands its items in order) keep
-        their writer alive, retired, until they land, and later items use a fresh one."""
+        """Packs, signs and sends the checked rollouts of `group`, padded to the longest one's
+        bucket, through that bucket's Reverb writer (InsertStreams.send: what it returns)."""
         padded = self._bucket(max(int(cols["tokens"].shape[0]) for cols, _ in group))
-        size = item.item_bytes(padded)
-        writer = self._writers.get(size)
-        if writer is None:
-            writer = self._client.trajectory_writer(num_keep_alive_refs=1)
-            self._writers[size] = writer
-        if self._in_flight is not None and self._in_flight[1] is not writer:
-            # Another stream: its items land first, so that all land in order.
-            if not self._settle(deadline):
-                return None, True
-        before = 0 if self._in_flight is None else self._in_flight[2]
-        self._in_flight = None
-        try:
-            for cols, header in group:
-                writer.append_item(self._table, [self._pack(cols, header, padded)])
-            wait_s = max(deadline - time.monotonic(), _MIN_CONFIRM_S)
-            writer.flush(timeout_ms=int(wait_s * 1000),
-                         block_until_num_items=0 if wait_for_confirmation else len(group))
-            if not wait_for_confirmation:
-                self._in_flight = (size, writer, len(group))
-                return [False] * len(group), False
-        except FlushTimeout:
-            # Another writer took the slot: the items wait in the server's rate limiter and will
-            # land. Keep this writer alive until they do; later items use a fresh one.
-            waiting = min(self._retire(size, writer, before + len(group)), len(group))
-            return [True] * (len(group) - waiting) + [False] * waiting, True
-        except Exception as e:
-            raise self._broken(size, writer, "inserting into", e) from e
-        return [True] * len(group), False
-
-    def _settle(self, deadline: float) -> bool:
-        """Waits for the confirmation of the group a pipelined call left in flight (until the
-        deadline, at least _MIN_CONFIRM_S; usually it came long ago). False when it did not
-        come: it waits in the rate limiter (a lost race), and its writer is retired."""
-        if self._in_flight is None:
-            return True
-        size, writer, count = self._in_flight
-        self._in_flight = None
-        try:
-            writer.flush(timeout_ms=int(max(deadline - time.monotonic(), _MIN_CONFIRM_S) * 1000))
-        except FlushTimeout:
-            self._retire(size, writer, count)
-            return False
-        except Exception as e:
-            raise self._broken(size, writer, "confirming inserts into", e) from e
-        return True
-
-    def _broken(self, size: int, writer: Any, doing: str, error: BaseException) -> RuntimeError:
-        """Drops and closes `writer`, whose stream broke (the server went away); the error to
-        raise."""
-        self._writers.pop(size, None)
-        _close_quietly(writer)
-        return RuntimeError(f"RolloutWriter: {doing} table {self._table!r} at "
-                            f"{self._client.server_address} failed: {error}")
+        packed = (self._pack(cols, header, padded) for cols, header in group)
+        return self._streams.send(item.item_bytes(padded), packed, len(group), deadline,
+                                  wait_for_confirmation)
 
     def flush(self, timeout_s: float) -> bool:
         """Waits for the confirmation of what a pipelined `send` left in flight; False when it
         did not come within `timeout_s` (it waits in the rate limiter and lands later)."""
         with self._lock:
-            return self._settle(time.monotonic() + max(0.0, float(timeout_s)))
-
-    def _retire(self, size: int, writer: Any, sent: int) -> int:
-        """Retires `writer`, whose flush timed out: some of its last `sent` items wait in the
-        rate limiter; it stays alive until they land, and later items of its bucket use a
-        fresh writer. Returns how many wait."""
-        waiting = _waiting_items(writer, sent)
-        if self._writers.get(size) is writer:
-            self._writers.pop(size)
-        self._retired.append(writer)
-        self._retired_waiting.append(waiting)
-        self._unconfirmed += waiting
-        logging.log_every_n(logging.WARNING, "RolloutWriter: insert not yet confirmed after "
-                            "the timeout (another writer took the free slot); it waits in "
-                            "replay's rate limiter and lands when the learner samples", 100)
-        return waiting
-
-    def _retired_pending(self) -> int:
-        """Our items still waiting in replay's rate limiter."""
-        return sum(self._retired_waiting)
-
-    def _reap_retired(self) -> None:
-        """Closes retired writers whose items have landed."""
-        if not self._retired:
-            return
-        keep, keep_waiting = [], []
-        for writer, waiting in zip(self._retired, self._retired_waiting):
-            try:
-                writer.flush(timeout_ms=1)  # not 0: Reverb reads timeout_ms=0 as "no timeout"
-            except FlushTimeout:
-                keep.append(writer)  # still waiting in the rate limiter
-                keep_waiting.append(waiting)
-                continue
-            except Exception as e:  # the stream broke (server gone): never confirmed
-                logging.warning("RolloutWriter: an unconfirmed insert failed: %s", e)
-            _close_quietly(writer)
-        self._retired, self._retired_waiting = keep, keep_waiting
+            return self._streams.settle(time.monotonic() + max(0.0, float(timeout_s)))
 
     def close(self) -> None:
         """Closes the Reverb writers. Items already confirmed stay in replay."""
@@ -450,20 +341,7 @@ class RolloutWriter(core.RolloutSink):
             if self._closed:
                 return
             self._closed = True
-            try:
-                self._settle(time.monotonic() + _CLOSE_CONFIRM_S)
-            except RuntimeError as e:   # the server is gone: what was in flight is resent
-                logging.warning("%s", e)
-            if self._retired:
-                self._reap_retired()
-            if self._retired:
-                logging.warning("RolloutWriter: closing with %d inserts still waiting in replay's "
-                                "rate limiter; they land when the learner samples",
-                                self._retired_pending())
-            for writer in list(self._writers.values()) + self._retired:
-                _close_quietly(writer)
-            self._writers.clear()
-            self._retired, self._retired_waiting = [], []
+            self._streams.close(_CLOSE_CONFIRM_S)
 
     def __enter__(self) -> "RolloutWriter":
         return self
@@ -474,22 +352,3 @@ class RolloutWriter(core.RolloutSink):
     def __repr__(self) -> str:
         return (f"RolloutWriter(table={self._table!r}, inserted={self._inserted}, "
                 f"timeouts={self._timeouts}, rejected={dict(self._rejected)})")
-
-
-def _waiting_items(writer: Any, sent: int) -> int:
-    """How many of the last `sent` items of `writer` replay has not confirmed yet (>= 1: called
-    after a flush timed out). One probe (`flush` with 1 ms) per count tried."""
-    for waiting in range(1, sent):
-        try:
-            writer.flush(block_until_num_items=waiting, timeout_ms=1)
-            return waiting
-        except FlushTimeout:
-            continue
-    return sent
-
-
-def _close_quietly(writer: Any) -> None:
-    try:
-        writer.close()
-    except Exception as e:  # closing must not mask the caller's error
-        logging.info("RolloutWriter: closing a Reverb writer failed: %s", e)

@@ -1,28 +1,29 @@
-"""Verifiable tasks. `make_task(name, seed)` builds one by name (config.TASKS lists the names).
+"""Verifiable tasks. Each task module describes itself with a `TASK_SPEC` and is registered by
+one line of `registry.TASK_MODULES`; `make_task(name, seed)` builds one by name.
 
 The task classes are imported on first use (PEP 562), so importing the package (the launcher
-does, to validate a config) does not load torch through the tasks' tokenizer models.
+does, to validate a config) does not load the task modules.
 """
 import importlib
 
 from sao_actor_learner import core
+from sao_actor_learner.tasks.registry import task_names, task_spec
 
-_TASKS = {"arithmetic": ("sao_actor_learner.tasks.arithmetic", "ArithmeticTask"),
-          "calculator_tool": ("sao_actor_learner.tasks.calculator_tool", "CalculatorToolTask"),
-          "online_shift": ("sao_actor_learner.tasks.online_shift", "OnlineShiftTask")}
-_CLASSES = {cls: module for module, cls in _TASKS.values()}
-
-
-def _task_class(name: str):
-    module, cls = _TASKS[name]
-    return getattr(importlib.import_module(module), cls)
+_CLASSES = {"ArithmeticTask": "sao_actor_learner.tasks.arithmetic",
+            "CalculatorToolTask": "sao_actor_learner.tasks.calculator_tool",
+            "OnlineShiftTask": "sao_actor_learner.tasks.online_shift"}
 
 
 def make_task(name: str, seed: int = 0, **kwargs) -> core.Task:
-    """The task called `name`, built with `seed` and any task-specific keyword arguments."""
-    if name not in _TASKS:
-        raise ValueError(f"task={name!r}: must be one of {', '.join(sorted(_TASKS))}")
-    return _task_class(name)(seed=seed, **kwargs)
+    """The task called `name`, built with `seed` and any task-specific keyword arguments (a
+    registered task with a `task_class`; the dataset task is built from a config:
+    `task_spec("dataset").build`)."""
+    spec = task_spec(name)
+    if spec.task_class is None:
+        names = [n for n in task_names() if task_spec(n).task_class is not None]
+        raise ValueError(f"task={name!r} is built from a run configuration (task_spec({name!r})"
+                         f".build); make_task builds {', '.join(names)}")
+    return spec.task_class(seed=seed, **kwargs)
 
 
 def __getattr__(attr: str):
@@ -31,4 +32,5 @@ def __getattr__(attr: str):
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
-__all__ = ["ArithmeticTask", "CalculatorToolTask", "OnlineShiftTask", "make_task"]
+__all__ = ["ArithmeticTask", "CalculatorToolTask", "OnlineShiftTask", "make_task", "task_names",
+           "task_spec"]

@@ -27,6 +27,7 @@ import numpy as np
 
 from sao_actor_learner import core
 from sao_actor_learner.models.tokenizer import CharTokenizer, decode_until_eos
+from sao_actor_learner.tasks.registry import TaskSpec
 
 EVAL_ID_BASE = 1 << 40  # held-out prompt i has prompt_id EVAL_ID_BASE + i; training ids are below
 _HASH_BUCKETS = 1000
@@ -191,3 +192,22 @@ class ArithmeticTask(core.Task):
         prompt = self.tokenizer.encode(f"{a}+{b}=")
         answer = self.tokenizer.encode(self.demonstration(a, b, rng), add_bos=False)
         return prompt, answer + [self.tokenizer.eos_id]
+
+
+# What a config left at 0 / "" gets with this task (and online_shift, which shares its model).
+ARITHMETIC_DEFAULTS = dict(init_checkpoint="checkpoints/warm_start", max_sequence_length=64,
+                           max_new_tokens=8, max_turns=1, env_threads=1)
+
+
+def build_task(config, actor_id: int = 0, tokenizer=None) -> ArithmeticTask:
+    """The arithmetic task of `config` for actor `actor_id` (the character tokenizer)."""
+    return ArithmeticTask(seed=config.seed, num_eval=config.eval_size, prompt_id_offset=actor_id,
+                          prompt_id_stride=config.num_actors)
+
+
+TASK_SPEC = TaskSpec(
+    name="arithmetic",
+    description="Two-digit addition, \"37+45=\" -> \"82\", one turn, reward 1 for the exact sum. "
+                "The toy task of the reproduction: a character-level model warm-started on an "
+                "imperfect teacher that forgets carries, so RL has a skill to sharpen.",
+    build=build_task, defaults=ARITHMETIC_DEFAULTS, task_class=ArithmeticTask)

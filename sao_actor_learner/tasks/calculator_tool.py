@@ -40,6 +40,7 @@ from sao_actor_learner import core
 from sao_actor_learner.models.tokenizer import CharTokenizer, decode_until_eos
 from sao_actor_learner.tasks import tools
 from sao_actor_learner.tasks.arithmetic import no_carry_sum
+from sao_actor_learner.tasks.registry import TaskSpec
 
 EVAL_ID_BASE = 1 << 40  # held-out prompt i has prompt_id EVAL_ID_BASE + i; training ids are below
 _HASH_BUCKETS = 1000
@@ -266,3 +267,33 @@ class CalculatorToolTask(core.Task):
             ids += seg
             mask += [int(is_action)] * len(seg)
         return ids, mask
+
+
+def build_task(config, actor_id: int = 0, tokenizer=None) -> CalculatorToolTask:
+    """The calculator-tool task of `config` for actor `actor_id`, with its tool latency and
+    timeout."""
+    return CalculatorToolTask(seed=config.seed, num_eval=config.eval_size,
+                              tool_latency=config.tool_latency,
+                              tool_timeout_s=config.tool_timeout_s, prompt_id_offset=actor_id,
+                              prompt_id_stride=config.num_actors)
+
+
+def check_options(config, fail) -> None:
+    try:
+        tools.parse_latency(config.tool_latency)
+    except ValueError as e:
+        fail(f"tool_latency={config.tool_latency!r}: {e}")
+    if not config.tool_timeout_s > 0:
+        fail(f"tool_timeout_s={config.tool_timeout_s}: must be > 0 (seconds a tool call may take)")
+
+
+TASK_SPEC = TaskSpec(
+    name="calculator_tool",
+    description="Multi-digit sums and products the tiny model cannot do in its head, with a "
+                "calculator tool it may call (\"[a+b]\" -> an observation with the result) "
+                "before answering: a multi-turn task with tool latency (--tool_latency) and "
+                "timeouts (--tool_timeout_s), whose environment steps run on env_threads.",
+    build=build_task, check=check_options, task_class=CalculatorToolTask,
+    defaults=dict(init_checkpoint="checkpoints/warm_start_calculator_tool",
+                  max_sequence_length=96, max_new_tokens=16, max_turns=4,
+                  env_threads="actor_batch"))

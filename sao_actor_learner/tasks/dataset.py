@@ -31,6 +31,7 @@ import numpy as np
 
 from sao_actor_learner import core
 from sao_actor_learner.tasks.dataset_files import DatasetError, DatasetRow, read_dataset
+from sao_actor_learner.tasks.registry import TaskSpec
 
 EVAL_ID_BASE = 1 << 40   # held-out prompt i has prompt_id EVAL_ID_BASE + i; training ids below
 
@@ -238,3 +239,45 @@ class DatasetTask(core.Task):
 
     def close(self) -> None:
         self.reward.close()
+
+
+def build_task(config, actor_id: int = 0, tokenizer=None) -> DatasetTask:
+    """The dataset task of `config` for actor `actor_id` over the model's `tokenizer`, with the
+    reward of --reward (its worker processes are closed if the files fail to load)."""
+    from sao_actor_learner.rewards import make_reward
+    renderer = PromptRenderer(tokenizer, config.apply_chat_template, config.template_kwargs,
+                              config.system_prompt, config.instruction_suffix)
+    reward = make_reward(config.reward, timeout_s=config.reward_timeout_s,
+                         workers=config.reward_workers)
+    try:
+        return DatasetTask(tokenizer, config.train_files, config.eval_files, reward,
+                           renderer=renderer, prompt_key=config.prompt_key,
+                           answer_key=config.answer_key,
+                           max_prompt_length=config.max_prompt_length,
+                           num_eval=config.eval_size, seed=config.seed, shuffle=config.shuffle,
+                           prompt_id_offset=actor_id, prompt_id_stride=config.num_actors)
+    except BaseException:
+        reward.close()
+        raise
+
+
+def check_options(config, fail) -> None:
+    if not config.train_files:
+        fail("task='dataset' needs --train_files=a.parquet[,b.jsonl] (training prompts)")
+    if not config.eval_files:
+        fail("task='dataset' needs --eval_files=test.parquet (held-out prompts, scored with "
+             "the same reward)")
+    if config.max_turns != 1:
+        fail(f"max_turns={config.max_turns}: dataset prompts are single-turn; drop --max_turns")
+
+
+TASK_SPEC = TaskSpec(
+    name="dataset",
+    description="Prompts from JSONL / parquet files in verl's schema (--train_files, "
+                "--eval_files), rendered with the model's chat template, one turn, scored by "
+                "--reward (gsm8k, exact, math_verify or a verl compute_score file) in worker "
+                "processes with a timeout: the task for real models and real data.",
+    build=build_task, check=check_options, exclusive_options=("train_files", "eval_files"),
+    # The reward runs in the environment step: off the generation thread (env_threads).
+    defaults=dict(max_sequence_length=512, max_new_tokens=128, max_turns=1,
+                  env_threads="actor_batch"))

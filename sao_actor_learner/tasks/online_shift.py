@@ -18,7 +18,9 @@ from typing import Callable, Optional, Sequence
 
 from sao_actor_learner import core
 from sao_actor_learner.models.tokenizer import decode_until_eos
-from sao_actor_learner.tasks.arithmetic import ArithmeticTask, no_carry_sum
+from sao_actor_learner.tasks.arithmetic import (ARITHMETIC_DEFAULTS, ArithmeticTask,
+                                               no_carry_sum)
+from sao_actor_learner.tasks.registry import TaskSpec
 
 PHASE_RULES = ("carry", "no_carry")
 
@@ -92,3 +94,25 @@ class OnlineShiftTask(ArithmeticTask):
     def is_correct(self, prompt: core.Prompt, completion_tokens: Sequence[int]) -> bool:
         return decode_until_eos(self.tokenizer, completion_tokens) == \
             answer_in_phase(prompt, self.current_phase())
+
+
+def build_task(config, actor_id: int = 0, tokenizer=None) -> OnlineShiftTask:
+    """The online-shift task of `config` for actor `actor_id` (phase 0 until the builder gives
+    it the engine's version)."""
+    return OnlineShiftTask(shift_every=config.shift_every, seed=config.seed,
+                           num_eval=config.eval_size, prompt_id_offset=actor_id,
+                           prompt_id_stride=config.num_actors)
+
+
+def check_options(config, fail) -> None:
+    if config.shift_every < 1:
+        fail(f"shift_every={config.shift_every}: must be >= 1 (policy versions per reward phase)")
+
+
+TASK_SPEC = TaskSpec(
+    name="online_shift",
+    description="The arithmetic task with a reward rule that flips every --shift_every policy "
+                "versions between the true sum and the carry-free sum: the online setting of "
+                "docs/METHOD.md section 12, measuring how fast training follows a moving target.",
+    build=build_task, defaults=ARITHMETIC_DEFAULTS, check=check_options,
+    task_class=OnlineShiftTask)

@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 
 import grpc
 
+from sao_actor_learner.core_values import VersionConflict
 from sao_actor_learner.protos_gen import variables_pb2, variables_pb2_grpc
 from sao_actor_learner.variables import wire
 from sao_actor_learner.variables.security import auth_interceptor, channel_credentials
@@ -38,6 +39,11 @@ class VariableClientError(RuntimeError):
 
 class PublishError(VariableClientError):
     """The server refused or did not complete a publish."""
+
+
+class PublishConflictError(PublishError, VersionConflict):
+    """The server refused a publish of a version it holds, or of an older one
+    (FAILED_PRECONDITION): core.VersionConflict."""
 
 
 def channel_options(max_message_bytes: int):

@@ -1,4 +1,4 @@
-"""An actor's or evaluator's client of the variable server.
+"""An actor's, evaluator's or recorder's client of the variable server (core.ActorCoordination).
 
 `VariableClient` follows Acme's VariableClient: `update()` polls the server's newest version at
 most every `update_period_s` and fetches new weights in a background thread, so the caller
@@ -11,87 +11,41 @@ one process and pickled into another (channel.py). It does not import torch: `de
 safetensors bytes -> state dict) is supplied by the caller and must be picklable (a
 module-level function) if the client is pickled.
 
-Weight bytes are copied once, gRPC's own copies aside: chunk data is located in the received
-bytes without protobuf's two copies (wire.py); a fetched version is assembled into the buffer
-of a version the client dropped once nothing references that any more (buffers.py), and
-checked against the server's CRC-32 (its sha256 when a server sends no CRC).
-
-Weight transport (`weight_transport`): when the server names a version's shared-memory file
-(the learner published it that way on the server's host), a client on that host maps the file
-instead of fetching it (shm.ShmReader: no copy, the CRC-32 checked first); "auto" does so when
-the file's directory exists here, "shm" always tries, "grpc" never. A missing, replaced or
-corrupt file falls back to FetchWeights and is counted in `counters` (shm_fallbacks and
-shm_fallback_<why>), as are shm_loads and grpc_loads.
+How a version's bytes arrive is weight_fetch.py's: streamed (FetchWeights; copied once, gRPC's
+own copies aside, and verified) or, with `weight_transport` "auto" (when the file's directory
+exists here) or "shm" (always tries; "grpc" never), mapped from the shared-memory file the
+server names. `counters` counts shm_loads and grpc_loads, and the fallbacks from shared memory.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
-import hashlib
-import os
 import threading
 import time
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 import grpc
 from absl import logging
 
 from sao_actor_learner import core
+from sao_actor_learner.core_values import AckInfo, AdmitResult, ProgressResult, VersionInfo
 from sao_actor_learner.protos_gen import variables_pb2
-from sao_actor_learner.variables import wire
-from sao_actor_learner.variables.buffers import BufferPool, PayloadAssembler
-from sao_actor_learner.variables.channel import (DEFAULT_MAX_MESSAGE_BYTES, RETRYABLE, SERVICE,
+from sao_actor_learner.variables.buffers import BufferPool
+from sao_actor_learner.variables.channel import (DEFAULT_MAX_MESSAGE_BYTES, RETRYABLE,
                                                  LazyChannel, PublishError, VariableClientError,
                                                  describe)
-from sao_actor_learner.variables.publisher import ProgressResult, VariablePublisher
+from sao_actor_learner.config.sections import WEIGHT_TRANSPORTS
+from sao_actor_learner.variables.publisher import VariablePublisher
 from sao_actor_learner.variables.security import PUBLISHER_TOKEN_METADATA_KEY
 from sao_actor_learner.variables.shm_reader import ShmReader
+from sao_actor_learner.variables.weight_fetch import CorruptFetch, ShmLoader, fetch_weights
 
-WEIGHT_TRANSPORTS = ("auto", "grpc", "shm")
 
 __all__ = ["AckInfo", "AdmitResult", "ProgressResult", "PUBLISHER_TOKEN_METADATA_KEY",
            "PublishError", "VariableClient", "VariableClientError", "VariablePublisher",
            "VersionInfo"]
 
 
-class _CorruptFetch(Exception):
-    """A fetched payload failed verification (size, version or sha256)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class VersionInfo:
-    """The server's newest version: -1 and empty fields when nothing is published."""
-    version: int
-    sha256: str
-    num_bytes: int
-    publish_time: float
-
-
-@dataclasses.dataclass(frozen=True)
-class AdmitResult:
-    """One admission decision (AReaL's rule, admission.py)."""
-    granted: int
-    policy_version: int
-    started_total: int
-    capacity: int
-
-
-@dataclasses.dataclass(frozen=True)
-class AckInfo:
-    """What the learner's latest progress report says about one actor's rollouts (all zeros,
-    version -1, before any report)."""
-    loss_epoch: int                 # when it goes up, re-insert every unacknowledged rollout
-    watermark: int                  # every seq < watermark was consumed for good
-    seqs: Tuple[int, ...]           # and these (sorted, each >= watermark)
-    version: int
-    trained_total: int
-
-    def consumed(self, seq: int) -> bool:
-        """The learner consumed rollout `seq` for good: the actor may forget it."""
-        return seq < self.watermark or seq in self.seqs
-
-
-class VariableClient(LazyChannel, core.VariableSource):
+class VariableClient(LazyChannel, core.ActorCoordination):
     """An actor's or evaluator's view of the newest policy on a VariableServer.
 
     Args:
@@ -152,13 +106,20 @@ class VariableClient(LazyChannel, core.VariableSource):
         self._warned_older = -1
         self.last_error: Optional[str] = None   # the latest background failure (None: none yet)
         self.weight_transport = weight_transport
+        self._counters = collections.Counter()  # shm_loads, grpc_loads, shm_fallback_<why>, ...
         self._shm = ShmReader() if weight_transport != "grpc" else None
-        self._not_here: set = set()             # shared-memory directories absent on this host
-        self.counters = collections.Counter()   # shm_loads, grpc_loads, shm_fallback_<why>, ...
+        self._shm_loader = None if self._shm is None else \
+            ShmLoader(self._shm, weight_transport, self._counters)
 
     @property
     def max_message_bytes(self) -> int:
         return self._max_message_bytes
+
+    @property
+    def counters(self) -> Mapping[str, int]:
+        """How versions arrived: shm_loads, grpc_loads, shm_not_here, shm_fallbacks and
+        shm_fallback_<why> (weight_fetch.py); a collections.Counter."""
+        return self._counters
 
     # ------------------------------------------------------------------ state
 
@@ -176,7 +137,8 @@ class VariableClient(LazyChannel, core.VariableSource):
             return self._params
 
     def get_variables(self) -> Tuple[int, Any]:
-        """(version, params), read together (core.VariableSource)."""
+        """(version, params), read together: params as `params` says; (-1, None) before the
+        first fetch (core.VariableSource)."""
         with self._state_lock:
             return self._version, self._params
 
@@ -207,7 +169,7 @@ class VariableClient(LazyChannel, core.VariableSource):
             self._check_and_fetch(timeout_s=self.rpc_timeout_s, wait_for_ready=False)
             with self._state_lock:
                 self._backoff_s = 0.0
-        except Exception as e:  # noqa: BLE001 - RpcError, _CorruptFetch, a failing decode, ...
+        except Exception as e:  # noqa: BLE001 - RpcError, CorruptFetch, a failing decode, ...
             if self._closed:
                 return
             message = describe(e) if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"
@@ -229,7 +191,7 @@ class VariableClient(LazyChannel, core.VariableSource):
     def _check_and_fetch(self, timeout_s: float, wait_for_ready: bool) -> bool:
         """Polls LatestVersion; fetches, verifies and decodes a newer version. True if updated.
 
-        Raises grpc.RpcError on transport errors and _CorruptFetch when the payload fails
+        Raises grpc.RpcError on transport errors and CorruptFetch when the payload fails
         verification (nothing is kept then)."""
         deadline = time.monotonic() + timeout_s
         if not self._fetch_lock.acquire(timeout=timeout_s):
@@ -252,13 +214,15 @@ class VariableClient(LazyChannel, core.VariableSource):
                 if self._shm is not None:
                     self._shm.release_unused()
                 return False
-            payload = self._load_shm(info)
+            payload = None if self._shm_loader is None else self._shm_loader.load(info)
             if payload is not None:
                 version, sha256 = info.version, info.sha256
-                self.counters["shm_loads"] += 1
+                self._counters["shm_loads"] += 1
             else:
-                version, payload, sha256 = self._fetch(wait_for_ready, deadline)
-                self.counters["grpc_loads"] += 1
+                version, payload, sha256 = fetch_weights(
+                    self._get_channel(), self._buffers, self.fetch_chunk_bytes, wait_for_ready,
+                    deadline)
+                self._counters["grpc_loads"] += 1
             params = self.decode(payload) if self.decode is not None else payload
             with self._state_lock:
                 if version <= self._version:
@@ -279,91 +243,6 @@ class VariableClient(LazyChannel, core.VariableSource):
             return True
         finally:
             self._fetch_lock.release()
-
-    def _load_shm(self, info) -> Optional[Any]:
-        """The payload of `info`'s version from its shared-memory file, or None (use gRPC)."""
-        path = info.shm_path
-        if self._shm is None or not path or not info.HasField("crc32"):
-            return None
-        directory = os.path.dirname(path)
-        if directory in self._not_here:
-            return None
-        payload, why = self._shm.load(path, info.num_bytes, info.crc32)
-        if payload is not None:
-            return payload
-        if why == "missing" and self.weight_transport == "auto" and \
-                not os.path.isdir(directory):
-            # Another host (or container) than the publisher's, or a writer that has closed:
-            # gRPC for that directory from now on, quietly.
-            self._not_here.add(directory)
-            self.counters["shm_not_here"] += 1
-            logging.info("VariableClient: %s is not on this host; fetching over gRPC",
-                         directory)
-            return None
-        self.counters["shm_fallbacks"] += 1
-        self.counters[f"shm_fallback_{why}"] += 1
-        logging.log_every_n_seconds(logging.WARNING, "VariableClient: version %d from shared "
-                                    "memory %s: %s; fetching it over gRPC (%d times so far)",
-                                    10, info.version, path, why,
-                                    self.counters["shm_fallbacks"])
-        return None
-
-    def _fetch(self, wait_for_ready: bool, deadline: float,
-               version: int = -1) -> Tuple[int, bytearray, str]:
-        """Streams the newest version (or `version` >= 0) and verifies size, version and
-        checksum (the server's CRC-32; its sha256 when it sends no CRC). Returns (version,
-        payload, sha256 the server gave)."""
-        stream = self._get_channel().unary_stream(
-            f"{SERVICE}/FetchWeights",
-            request_serializer=variables_pb2.FetchRequest.SerializeToString,
-            response_deserializer=None)(
-                variables_pb2.FetchRequest(version=version, chunk_bytes=self.fetch_chunk_bytes),
-                timeout=max(deadline - time.monotonic(), 0.001), wait_for_ready=wait_for_ready)
-        assembly: Optional[PayloadAssembler] = None
-        digest = None
-        crc = 0
-        version, claimed_sha, claimed_crc = None, "", None
-        for raw in stream:
-            try:
-                rest, data = wire.split_data_field(raw)
-                chunk = variables_pb2.WeightsChunk.FromString(rest)
-            except Exception as e:  # noqa: BLE001 - MalformedMessage, protobuf DecodeError
-                stream.cancel()
-                raise _CorruptFetch(f"malformed WeightsChunk ({len(raw)} bytes): {e}") from None
-            if version is None:
-                version, claimed_sha = chunk.version, chunk.sha256
-                claimed_crc = chunk.crc32 if chunk.HasField("crc32") else None
-                if claimed_crc is None:
-                    digest = hashlib.sha256()
-                assembly = PayloadAssembler(chunk.total_bytes, self._buffers)
-            elif chunk.version != version:
-                stream.cancel()
-                raise _CorruptFetch(f"chunk of version {chunk.version} inside a stream of "
-                                    f"version {version}")
-            if assembly.received + data.nbytes > assembly.total:
-                stream.cancel()
-                raise _CorruptFetch(f"version {version}: more than the announced "
-                                    f"{assembly.total} bytes")
-            assembly.add(data)
-            if digest is not None:
-                digest.update(data)
-            else:
-                crc = wire.crc32(data, crc)
-        if version is None:
-            raise _CorruptFetch("FetchWeights returned no chunks")
-        payload = assembly.payload()
-        if assembly.received != assembly.total:
-            raise _CorruptFetch(f"version {version}: got {assembly.received} of "
-                                f"{assembly.total} bytes")
-        if digest is not None and digest.hexdigest() != claimed_sha.lower():
-            self._buffers.give(payload)
-            raise _CorruptFetch(f"version {version}: sha256 {digest.hexdigest()} does not match "
-                                f"the server's {claimed_sha!r}; discarded")
-        if digest is None and crc != claimed_crc:
-            self._buffers.give(payload)
-            raise _CorruptFetch(f"version {version}: CRC-32 {crc:#010x} does not match the "
-                                f"server's {claimed_crc:#010x}; discarded")
-        return version, payload, claimed_sha.lower()
 
     def _join_background(self, timeout_s: float) -> None:
         thread = self._thread
@@ -386,7 +265,7 @@ class VariableClient(LazyChannel, core.VariableSource):
                 self._check_and_fetch(timeout_s=min(remaining, self.rpc_timeout_s),
                                       wait_for_ready=True)
                 return self.version
-            except _CorruptFetch as e:
+            except CorruptFetch as e:
                 last = str(e)
                 logging.warning("VariableClient: %s; fetching again", e)
             except grpc.RpcError as e:
@@ -415,7 +294,7 @@ class VariableClient(LazyChannel, core.VariableSource):
                                          wait_for_ready=True):
                     continue
                 last = ""
-            except _CorruptFetch as e:
+            except CorruptFetch as e:
                 last = str(e)
                 logging.warning("VariableClient: %s; fetching again", e)
             except grpc.RpcError as e:
@@ -433,11 +312,13 @@ class VariableClient(LazyChannel, core.VariableSource):
             raise ValueError(f"version={version}: must be >= 0")
         deadline = time.monotonic() + timeout_s
         try:
-            got, payload, _ = self._fetch(True, deadline, version=version)
+            got, payload, _ = fetch_weights(self._get_channel(), self._buffers,
+                                            self.fetch_chunk_bytes, True, deadline,
+                                            version=version)
         except grpc.RpcError as e:
             raise VariableClientError(f"FetchWeights(version={version}) from {self._address} "
                                       f"failed: {describe(e)}", e.code()) from None
-        except _CorruptFetch as e:
+        except CorruptFetch as e:
             raise VariableClientError(f"FetchWeights(version={version}): {e}") from None
         if got != version:
             raise VariableClientError(f"FetchWeights(version={version}) returned version {got}")

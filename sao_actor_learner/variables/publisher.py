@@ -1,4 +1,5 @@
-"""The learner's client of the variable server: publishes policy versions, reports progress.
+"""The learner's client of the variable server (core.WeightPublisher): publishes policy
+versions, reports progress.
 
 `publish` streams a version (opaque bytes, or a sequence of buffers such as
 `ckpt.state_dict_to_buffers` gives, streamed without first joining them) in chunks framed
@@ -15,17 +16,19 @@ above, and so is every later one.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 from absl import logging
 
+from sao_actor_learner import core
+from sao_actor_learner.core_values import ProgressResult
 from sao_actor_learner.protos_gen import variables_pb2
 from sao_actor_learner.variables import wire
 from sao_actor_learner.variables.channel import (DEFAULT_MAX_MESSAGE_BYTES, SERVICE,
-                                                 LazyChannel, PublishError, describe)
+                                                 LazyChannel, PublishConflictError,
+                                                 PublishError, describe)
 from sao_actor_learner.variables.progress import make_progress
 from sao_actor_learner.variables.security import PUBLISHER_TOKEN_METADATA_KEY, PayloadRejected
 from sao_actor_learner.variables.shm import ShmUnavailable, ShmWriter, writer_root
@@ -38,17 +41,7 @@ PublishPayload = Union[Payload, Sequence[Any]]
 _RETRY_PAUSE_S = 0.2
 
 
-@dataclasses.dataclass(frozen=True)
-class ProgressResult:
-    """The server's answer to a progress report."""
-    credit: int           # admission credit in effect (max over reports and publishes)
-    capacity: int         # admission capacity now
-    identical: bool       # the report changed nothing the server held
-    loss_epoch: int = 0   # the loss epoch the server now holds (max over every report)
-    version: int = -1     # the newest version any report named
-
-
-class VariablePublisher(LazyChannel):
+class VariablePublisher(LazyChannel, core.WeightPublisher):
     """The learner's side: publishes policy versions and reports progress to a VariableServer.
 
     Args:
@@ -145,7 +138,8 @@ class VariablePublisher(LazyChannel):
         (not copied first; they must not change until publish returns). Waits up to `timeout_s`
         for the server to come up, and publishes again while a stream breaks (UNAVAILABLE:
         the server restarted or the network failed) until `timeout_s` has passed. `dropped_total`: rollouts the learner has dropped so far
-        (admission credit). Raises PublishError naming the cause.
+        (admission credit). Raises PublishError naming the cause (PublishConflictError, a
+        core.VersionConflict, when the server holds this version or a newer one).
         """
         if version < 0:
             raise ValueError(f"version={version}: must be >= 0")
@@ -203,9 +197,11 @@ class VariablePublisher(LazyChannel):
                 elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     hint = (f" (chunk_bytes={self.chunk_bytes} may exceed the server's "
                             "max_message_bytes: lower chunk_bytes or raise max_message_bytes)")
-                raise PublishError(f"publish of version {version} ({total} bytes) to "
-                                   f"{self._address} failed after {attempt} attempt(s): "
-                                   f"{describe(e)}{hint}", code) from None
+                error = PublishConflictError if code == grpc.StatusCode.FAILED_PRECONDITION \
+                    else PublishError
+                raise error(f"publish of version {version} ({total} bytes) to "
+                            f"{self._address} failed after {attempt} attempt(s): "
+                            f"{describe(e)}{hint}", code) from None
         if reply.version != version or reply.num_bytes != total:
             raise PublishError(f"publish of version {version} ({total} bytes): the server "
                                f"acknowledged version {reply.version} with {reply.num_bytes} "

@@ -15,11 +15,9 @@ token. A report or publish may not claim more than actors were admitted to start
 (progress.beyond_admitted): a report that does is refused, a publish's credit is capped.
 
 With a `state_path`, the admission counters, the newest published version number and the
-latest progress report survive a restart: they are written there (state_file.py) whenever they
-change, before the call that changed them answers, and read back when a server starts on the
-same path. Weights are not persisted: a restarted server holds none until the learner
-publishes again, but admission continues from the same counters and capacity (which uses the
-newest version ever published; Admit's policy_version is the newest version held).
+latest progress report survive a restart (server_state.py); weights do not.
+
+The method table and the checks of each call: handlers.py; the version ring: store.py.
 """
 from __future__ import annotations
 
@@ -34,24 +32,25 @@ from absl import logging
 from sao_actor_learner import core
 from sao_actor_learner.protos_gen import variables_pb2
 from sao_actor_learner.variables.admission import Admission
-from sao_actor_learner.variables.progress import (MAX_ACKS, Progress, beyond_admitted,
-                                                  make_progress)
-from sao_actor_learner.variables.rpc import Abort, check_auth, check_publisher, parse, serve
+from sao_actor_learner.variables.progress import Progress, beyond_admitted
+from sao_actor_learner.variables.handlers import (SERVICE_NAME, method_handlers,
+                                                  parse_admit_request, parse_progress_report)
+from sao_actor_learner.variables.rpc import Abort, check_publisher, parse, serve
 from sao_actor_learner.variables.security import (PUBLISHER_TOKEN_METADATA_KEY, check_bind,
                                                   is_loopback)
-from sao_actor_learner.variables.shm import (DEFAULT_SHM_DIR, remove_if_empty, sweep_dead_runs,
-                                             writer_root)
+from sao_actor_learner.variables.server_state import (STATE_FORMAT, load_state, save_state,
+                                                      state_text)
+from sao_actor_learner.variables.shm_files import (DEFAULT_SHM_DIR, remove_if_empty,
+                                                   sweep_dead_runs, writer_root)
 from sao_actor_learner.variables.state_file import StateFile
 from sao_actor_learner.variables.store import (MIN_FETCH_CHUNK_BYTES, PublishedVersion,
                                                VersionStore)
 
-__all__ = ["PUBLISHER_TOKEN_METADATA_KEY", "PublishedVersion", "SERVICE_NAME", "VariableServer"]
+__all__ = ["PUBLISHER_TOKEN_METADATA_KEY", "PublishedVersion", "SERVICE_NAME", "STATE_FORMAT",
+           "VariableServer"]
 
-SERVICE_NAME = variables_pb2.DESCRIPTOR.services_by_name["VariableService"].full_name
 # Room for the protobuf framing around one chunk's data.
 MESSAGE_OVERHEAD_BYTES = 64 << 10
-MAX_ACTOR_ID_CHARS = 256
-STATE_FORMAT = "sao-variable-server-state/1"
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -260,26 +259,15 @@ class VariableServer(core.Worker):
     # ------------------------------------------------------------------ persistence
 
     def _load_state(self) -> None:
-        path = self._state_file.path
-        state = self._state_file.load()
-        if state is None:
+        restored = load_state(self._state_file, self._admission)
+        if restored is None:
             return
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"state file {path} has format {state.get('format')!r}, not "
-                             f"{STATE_FORMAT!r}; move it away to start from zero counters")
+        self._admission, self._published_version, progress = restored
+        if progress is not None:
+            self._progress, self._progress_json = progress, json.dumps(progress.to_state())
         a = self._admission
-        try:
-            self._admission = Admission.from_state(state["admission"], a.batch_size,
-                                                   a.max_staleness, a.enabled)
-            self._published_version = int(state["published_version"])
-            if state["progress"] is not None:
-                self._progress = Progress.from_state(state["progress"])
-                self._progress_json = json.dumps(self._progress.to_state())
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"state file {path} is not a variable-server state ({e!r}); move "
-                             "it away to start from zero counters") from None
         logging.info("VariableServer: admission state from %s: %d started, credit %d, newest "
-                     "version %d", path, self._admission.started_total, self._admission.credit,
+                     "version %d", self._state_file.path, a.started_total, a.credit,
                      self._published_version)
 
     def _snapshot_locked(self) -> Optional[Tuple[int, str]]:
@@ -288,23 +276,13 @@ class VariableServer(core.Worker):
         if self._state_file is None:
             return None
         self._state_seq += 1
-        # The progress report's JSON is kept ready (it changes only with ReportProgress and may
-        # hold many seqs); the rest is small.
-        head = json.dumps({"format": STATE_FORMAT, "published_version": self._published_version,
-                           "admission": self._admission.state()})
-        return self._state_seq, f'{head[:-1]}, "progress": {self._progress_json}}}'
+        return self._state_seq, state_text(self._published_version, self._admission,
+                                           self._progress_json)
 
     def _persist(self, snapshot: Optional[Tuple[int, str]], method: str) -> None:
         """Writes `snapshot` (from `_snapshot_locked`) before the call answers."""
-        if snapshot is None:
-            return
-        try:
-            self._state_file.save(*snapshot)
-        except OSError as e:
-            logging.error("VariableServer: could not write %s: %s", self._state_file.path, e)
-            raise Abort(grpc.StatusCode.INTERNAL,
-                        f"{method}: the server could not persist its admission state to "
-                        f"{self._state_file.path} ({e}); the change is kept in memory") from None
+        if snapshot is not None:
+            save_state(self._state_file, snapshot, method)
 
     # ------------------------------------------------------------------ handlers
 
@@ -343,10 +321,7 @@ class VariableServer(core.Worker):
         return self._store.fetch_chunks(request.version, chunk_bytes)
 
     def _admit(self, raw: bytes, context: grpc.ServicerContext) -> variables_pb2.AdmitReply:
-        request = parse(variables_pb2.AdmitRequest, raw, "AdmitRequest")
-        if len(request.actor_id) > MAX_ACTOR_ID_CHARS:
-            raise Abort(_INVALID, f"Admit actor_id has {len(request.actor_id)} characters: must "
-                        f"be at most {MAX_ACTOR_ID_CHARS}")
+        request = parse_admit_request(raw)
         latest = self._store.latest()
         with self._lock:
             try:
@@ -365,21 +340,7 @@ class VariableServer(core.Worker):
     def _report_progress(self, raw: bytes,
                          context: grpc.ServicerContext) -> variables_pb2.ProgressReply:
         check_publisher(context, self._publisher_token, "ReportProgress")
-        request = parse(variables_pb2.ProgressReport, raw, "ProgressReport")
-        if len(request.acks) > MAX_ACKS:
-            raise Abort(_INVALID, f"ReportProgress has {len(request.acks)} acks: at most "
-                        f"{MAX_ACKS} actors per report")
-        acks = {}
-        for ack in request.acks:
-            if ack.actor_id in acks:
-                raise Abort(_INVALID, f"ReportProgress names actor_id={ack.actor_id} twice; "
-                            "send one ActorAck per actor")
-            acks[ack.actor_id] = (ack.watermark, ack.seqs)
-        try:
-            report = make_progress(request.version, request.dropped_total, request.trained_total,
-                                   request.loss_epoch, acks)
-        except ValueError as e:
-            raise Abort(_INVALID, f"ReportProgress {e}") from None
+        report = parse_progress_report(raw)
         with self._lock:
             a = self._admission
             why = beyond_admitted(report, lambda actor: a.granted_to(str(actor)),
@@ -414,17 +375,10 @@ class VariableServer(core.Worker):
 
     def _make_handler(self) -> grpc.GenericRpcHandler:
         """Method handlers that take raw request bytes (parsed by hand, see module doc)."""
-        ser = lambda m: m.SerializeToString()  # noqa: E731
         unary = {"LatestVersion": self._latest_version, "Admit": self._admit,
                  "ReportProgress": self._report_progress, "Acknowledged": self._acknowledged}
-        handlers = {name: grpc.unary_unary_rpc_method_handler(self._guard(fn, name),
-                                                              response_serializer=ser)
-                    for name, fn in unary.items()}
-        handlers["Publish"] = grpc.stream_unary_rpc_method_handler(
-            self._guard(self._publish, "Publish"), response_serializer=ser)
-        handlers["FetchWeights"] = grpc.unary_stream_rpc_method_handler(  # yields framed bytes
-            self._guard(self._fetch_weights, "FetchWeights", stream=True))
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+        return method_handlers(unary, self._publish, self._fetch_weights, self._auth_token,
+                               self._reject)
 
     def _reject(self, method: str, context: grpc.ServicerContext, e: Abort) -> None:
         with self._lock:
@@ -439,33 +393,3 @@ class VariableServer(core.Worker):
                                         "%s: %s (further rejections logged at most every 5 s)",
                                         5, method, context.peer(), e.code.name, e.details)
         context.abort(e.code, e.details)
-
-    def _guard(self, fn: Callable, method: str, stream: bool = False) -> Callable:
-        """`fn` behind the auth check; an Abort becomes its status, any other exception
-        INTERNAL (a bug must not take the server down)."""
-        def internal(context, e):
-            logging.exception("VariableServer: internal error in %s", method)
-            context.abort(grpc.StatusCode.INTERNAL,
-                          f"internal error in {method}: {type(e).__name__}: {e}")
-
-        def unary(request, context):
-            try:
-                check_auth(context, self._auth_token)
-                return fn(request, context)
-            except Abort as e:
-                self._reject(method, context, e)
-            except Exception as e:  # noqa: BLE001
-                if not context.is_active():
-                    raise
-                internal(context, e)
-
-        def streaming(request, context):
-            try:
-                check_auth(context, self._auth_token)
-                yield from fn(request, context)
-            except Abort as e:
-                self._reject(method, context, e)
-            except Exception as e:  # noqa: BLE001
-                if context.is_active():
-                    internal(context, e)
-        return streaming if stream else unary

@@ -9,10 +9,8 @@ missing or corrupt, keep the gRPC path. docs/DESIGN.md, section 6 "Shared memory
 says why each piece is there; docs/FACTS.md, "Python and Linux", lists the Linux behaviours
 relied on.
 
-Files. `<root>/<run>-XXXXXX/` (0700) holds `owner` (pid and start time of the writing process)
-and one `v<version>.safetensors` per kept version. A version is written under
-`v<version>.safetensors.tmp` and renamed into place when whole (rename is atomic): a reader that
-opens the final name never sees a partial file.
+Files: the directory layout, its owner file and the sweep of dead runs' directories are in
+variables/shm_files.py (its names are importable from here too).
 
 Reuse instead of fresh files. On tmpfs the first write to a page allocates and zeroes it, and a
 process's first access to a mapped page is a page fault: both cost several times a warm memcpy
@@ -34,13 +32,12 @@ rewritten only while no reader uses it, which locks arbitrate (flock, per open f
 Checksum: CRC-32 (wire.crc32: ISA-L when installed, the same values as zlib.crc32), computed by
 the writer as it copies, chunk by chunk while the chunk is in cache, and checked by every reader
 before use. It is the transit check the gRPC path already uses, so the server's record, the
-file and a gRPC fetch all carry one checksum; no faster hash is installed (no xxhash), and ISA-L
-runs at about the speed of a memcpy here. The writer also refuses NaN/inf in float tensors as it
+file and a gRPC fetch all carry one checksum; no faster hash is installed (no xxhash); its speed
+against a memcpy: BENCHMARKS.md, section 4. The writer also refuses NaN/inf in float tensors as it
 copies (security.has_nonfinite, from cache), the check the server makes on gRPC publishes.
 
-Clean-up. `ShmWriter.close()` (also at interpreter exit) removes its directory. A writer killed
-with SIGKILL leaves its directory behind; every new writer under the same root removes the
-directories whose owner process is gone (pid and start time, so a reused pid does not count).
+Clean-up. `ShmWriter.close()` (also at interpreter exit) removes its directory; the directories
+of writers killed before they could are swept by the next writer (shm_files.sweep_dead_runs).
 
 No grpc, protobuf or torch import here.
 """
@@ -51,26 +48,25 @@ import collections
 import dataclasses
 import errno
 import fcntl
-import json
 import mmap
 import os
 import queue
-import re
 import shutil
-import stat
-import tempfile
 import threading
-import time
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from sao_actor_learner.variables import wire
 from sao_actor_learner.variables.security import (PayloadRejected, has_nonfinite,
                                                   safetensors_header)
+from sao_actor_learner.variables.shm_files import (
+    DEFAULT_SHM_DIR, OWNER_FILE, SUFFIX, TMP_SUFFIX, ShmUnavailable, check_private_root,
+    make_run_directory, remove_if_empty, sweep_dead_runs, version_file_name, writer_root)
 
-DEFAULT_SHM_DIR = "/dev/shm"
-OWNER_FILE = "owner"
-SUFFIX = ".safetensors"
-TMP_SUFFIX = ".tmp"
+# The layout's names (shm_files.py) stay importable from here.
+__all__ = ["COPY_CHUNK_BYTES", "DEFAULT_SHM_DIR", "OWNER_FILE", "PIPELINE_MIN_BYTES", "SUFFIX",
+           "TMP_SUFFIX", "ShmFile", "ShmUnavailable", "ShmWriter", "check_private_root",
+           "remove_if_empty", "sweep_dead_runs", "version_file_name", "writer_root"]
+
 # Bytes copied, checksummed and checked for finiteness at a time: small enough to stay in the
 # cache between the copy and the two reads after it, large enough that Python's per-chunk cost
 # stays small (~1000 chunks per GB).
@@ -79,12 +75,6 @@ COPY_CHUNK_BYTES = 1 << 20
 # the copy. With fewer CPUs the thread only competes with the other processes for the same
 # cores, so each chunk is checked inline right after its copy.
 PIPELINE_MIN_BYTES = (8 << 20) if wire.MANY_CPUS else 1 << 62
-# A directory without an owner file this old is a writer that died while starting.
-_OWNERLESS_GRACE_S = 60.0
-
-
-class ShmUnavailable(OSError):
-    """Shared memory cannot be used here (no such root, no space, not permitted)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,81 +84,6 @@ class ShmFile:
     path: str
     size: int
     crc32: int
-
-
-def writer_root(shm_dir: str = DEFAULT_SHM_DIR) -> str:
-    """The per-user directory under `shm_dir` that writers make their run directories in."""
-    return os.path.join(shm_dir, f"sao_weights-{os.getuid()}")
-
-
-def version_file_name(version: int) -> str:
-    return f"v{version:08d}{SUFFIX}"
-
-
-# ------------------------------------------------------------------------------ owners and sweeps
-
-def _process_start_time(pid: int) -> Optional[int]:
-    """Start time of process `pid` (clock ticks since boot, /proc/PID/stat field 22), or None
-    when no such process exists."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    try:   # the command name (field 2) is in parentheses and may contain spaces
-        return int(stat[stat.rindex(b")") + 2:].split()[19])
-    except (ValueError, IndexError):
-        return None
-
-
-def _owner_alive(directory: str) -> bool:
-    try:
-        with open(os.path.join(directory, OWNER_FILE)) as f:
-            owner = json.load(f)
-        return _process_start_time(int(owner["pid"])) == int(owner["start_time"])
-    except FileNotFoundError:
-        try:
-            return time.time() - os.stat(directory).st_mtime < _OWNERLESS_GRACE_S
-        except OSError:
-            return False
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-def check_private_root(root: str) -> None:
-    """Raises ShmUnavailable unless `root` is a real directory (not a link) of this user that
-    nobody else may enter: another user could otherwise have made it first, to read or swap the
-    weights."""
-    st = os.lstat(root)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise ShmUnavailable(errno.EPERM, f"{root} is not a directory of this user with mode "
-                             f"0700 (mode {stat.filemode(st.st_mode)}, uid {st.st_uid}); remove "
-                             "it, or choose another shared-memory directory")
-
-
-def remove_if_empty(root: str) -> None:
-    """Removes `root` when no run directory is left in it (so a finished run leaves nothing
-    in /dev/shm); a writer starting meanwhile makes it again."""
-    try:
-        os.rmdir(root)
-    except OSError:
-        pass
-
-
-def sweep_dead_runs(root: str) -> List[str]:
-    """Removes the run directories under `root` whose writer process is gone (a crashed run's);
-    returns their paths. Other entries are left alone."""
-    removed = []
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return removed
-    for name in names:
-        path = os.path.join(root, name)
-        if os.path.isdir(path) and not os.path.islink(path) and not _owner_alive(path):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
 
 
 # ------------------------------------------------------------------------------ writer
@@ -217,25 +132,7 @@ class ShmWriter:
         self.check_finite = check_finite
         self.chunk_bytes = chunk_bytes
         self.root = root
-        prefix = re.sub(r"[^A-Za-z0-9_.]+", "_", run_name)[:64] or "run"
-        try:
-            for attempt in range(3):    # another writer's close may remove an empty root
-                os.makedirs(root, mode=0o700, exist_ok=True)
-                check_private_root(root)
-                self.swept = sweep_dead_runs(root)
-                try:
-                    self.directory = tempfile.mkdtemp(prefix=f"{prefix}-", dir=root)
-                    break
-                except FileNotFoundError:
-                    if attempt == 2:
-                        raise
-            owner = {"pid": os.getpid(), "start_time": _process_start_time(os.getpid())}
-            tmp = os.path.join(self.directory, OWNER_FILE + TMP_SUFFIX)
-            with open(tmp, "w") as f:
-                json.dump(owner, f)
-            os.replace(tmp, os.path.join(self.directory, OWNER_FILE))
-        except OSError as e:
-            raise ShmUnavailable(e.errno, f"shared-memory directory under {root}: {e}") from None
+        self.directory, self.swept = make_run_directory(root, run_name)
         self._files: Deque[_WriterFile] = collections.deque()
         self._closed = False
         self.counters: Dict[str, int] = collections.Counter()

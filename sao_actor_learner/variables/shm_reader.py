@@ -21,7 +21,10 @@ from sao_actor_learner.variables.shm import COPY_CHUNK_BYTES, SUFFIX
 
 # madvise(MADV_POPULATE_READ) (Linux 5.14): fills a mapping's page tables in one call, read-only,
 # without copying private pages. Older kernels refuse it; then pages fault in on first access.
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+try:
+    _MADV_POPULATE_READ = mmap.MADV_POPULATE_READ   # Python >= 3.12 names it
+except AttributeError:
+    _MADV_POPULATE_READ = 22                        # its value in linux/mman.h
 # sys.getrefcount(entry.array) of an array only its cache entry references: the attribute + the
 # argument.
 _REFS_WHEN_UNUSED = 2

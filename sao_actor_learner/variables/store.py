@@ -1,38 +1,38 @@
-"""The publish path and the version ring of the variable server.
+"""The version ring of the variable server: what makes a published version visible, and
+what serves it.
 
-`VersionStore.receive` assembles one Publish stream (raw PublishChunk messages), checks it
-and makes the version visible atomically; `fetch_chunks` frames a held version's payload as
-WeightsChunk messages. Checks, in order: one version and a consistent total_bytes on every
-chunk, no more bytes than announced, a last chunk, the CRC-32 and/or sha256 the last chunk
-claims, then `validate_payload` (e.g. security.SafetensorsValidator: names, shapes, dtypes).
-A refused publish leaves the previous version visible. Versions strictly increase; the visible
-version may be published again only with a byte-identical payload (a resumed learner).
+`VersionStore.receive` takes one Publish stream (raw PublishChunk messages), checks it and
+makes the version visible atomically; `fetch_chunks` frames a held version's payload as
+WeightsChunk messages (version_record.frames). Checks, in order: one version and a consistent
+total_bytes on every chunk, no more bytes than announced, a last chunk, the CRC-32 and/or sha256
+the last chunk claims (publish_stream.py), then `validate_payload` (e.g.
+security.SafetensorsValidator: names, shapes, dtypes). A refused publish leaves the previous
+version visible. Versions strictly increase; the visible version may be published again only
+with a byte-identical payload (a resumed learner; version_record.same_payload).
 
 A shared-memory publish (shm.py) is one chunk naming a file on this host instead of carrying
 bytes: the store opens and locks the file, runs the validator's header checks
 (`validate_payload.layout_only` when it has one: the publisher checked finiteness while it
-wrote the file) and makes the version visible at once, with its path, for clients on this host
-to map. The first FetchWeights of that version (remote clients, local ones whose file is gone or
-corrupt) starts a helper thread that copies the file into a receive buffer and checks its
-CRC-32, and streams each chunk once the copy has passed it; until then the server holds only
-the open file, so with local actors only it never keeps a second copy of the weights. A version
-evicted before anyone fetched it over gRPC is never copied. No sha256 is computed for such a
-version: its identity, for the republish check, is its size and CRC-32.
+wrote the file; shm_publish.py) and makes the version visible at once, with its path, for
+clients on this host to map. The first FetchWeights of that version (remote clients, local ones
+whose file is gone or corrupt) starts a helper thread that copies the file into a receive buffer
+and checks its CRC-32, and streams each chunk once the copy has passed it; until then the server
+holds only the open file, so with local actors only it never keeps a second copy of the
+weights. A version evicted before anyone fetched it over gRPC is never copied. No sha256 is
+computed for such a version: its identity, for the republish check, is its size and CRC-32.
 
 Weight bytes are copied once: chunk data is located in the raw request (wire.py) and copied
 into a receive buffer reused from an evicted version (buffers.py); fetched chunks are framed
 around slices of the held payload. The sha256 (the version's identity) is computed by a helper
-thread while the stream arrives; the CRC-32 (wire.crc32, ~20 GB/s) is the transit check. The
-payload is never interpreted here (no torch import).
+thread while the stream arrives; the CRC-32 (wire.crc32; its speed: BENCHMARKS.md, section 4)
+is the transit check. The payload is never interpreted here (no torch import).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import hmac
 import itertools
-import queue
 import threading
 import time
 from typing import Callable, Deque, Dict, Iterable, Iterator, Optional, Tuple
@@ -41,119 +41,19 @@ import grpc
 from absl import logging
 
 from sao_actor_learner.protos_gen import variables_pb2
-from sao_actor_learner.variables import wire
-from sao_actor_learner.variables.buffers import BufferPool, PayloadAssembler
+from sao_actor_learner.variables.buffers import BufferPool
+from sao_actor_learner.variables.publish_stream import Sha256Behind, assemble, stream_problem
 from sao_actor_learner.variables.rpc import Abort, parse_chunk
-from sao_actor_learner.variables.shm import DEFAULT_SHM_DIR, writer_root
+from sao_actor_learner.variables.shm_files import DEFAULT_SHM_DIR, writer_root
+from sao_actor_learner.variables.shm_publish import (ShmCopy, check_layout, check_shm_chunk,
+                                                     open_shm_source)
 from sao_actor_learner.variables.shm_reader import ShmSource
+from sao_actor_learner.variables.version_record import (SHM_COPY_TIMEOUT_S, PublishedVersion,
+                                                        frames, same_payload)
 
 # FetchWeights never streams chunks smaller than this, whatever the client asks for.
 MIN_FETCH_CHUNK_BYTES = 1 << 10
-# How long FetchWeights waits for the server's copy of a shared-memory version.
-SHM_COPY_TIMEOUT_S = 120.0
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
-
-
-@dataclasses.dataclass(frozen=True)
-class PublishedVersion:
-    """One fully received and verified policy version. Immutable: filling in its sha256 (see
-    below) replaces the record."""
-    version: int
-    payload: Optional[memoryview]  # read-only view of the assembled bytes; None for a
-                                 # shared-memory publish until the server's copy is ready
-    sha256: str                  # "" from the moment the version is visible (its CRC-32 and
-                                 # the validator passed) until the digest is recorded, just
-                                 # before Publish answers; always "" for a shared-memory publish
-    format: str
-    dropped_total: int           # the admission credit the publisher sent with it
-    publish_time: float
-    crc32: int = 0               # CRC-32 (zlib.crc32) of the payload
-    shm_path: str = ""           # its shared-memory file on this host, if published that way
-    size: int = -1               # payload bytes (-1: payload.nbytes)
-
-    @property
-    def num_bytes(self) -> int:
-        return self.size if self.size >= 0 else self.payload.nbytes
-
-
-class _Sha256Behind:
-    """The sha256 of a stream of buffers, hashed by a helper thread while the caller receives
-    and copies the next ones (hashlib releases the GIL): on two cores a publish then takes
-    about max(receive + copy + CRC, sha256) instead of their sum. At most `max_pending`
-    buffers wait (each one is kept alive until hashed)."""
-
-    def __init__(self, max_pending: int = 8):
-        self._pending: "queue.Queue" = queue.Queue(maxsize=max_pending)
-        self._digest = hashlib.sha256()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="variable-server-sha256")
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            data = self._pending.get()
-            if data is None:
-                return
-            self._digest.update(data)
-
-    def update(self, data) -> None:
-        self._pending.put(data)
-
-    def hexdigest(self) -> str:
-        """Waits for the buffers given so far, then the hex digest. Ends the helper thread."""
-        self.close()
-        return self._digest.hexdigest()
-
-    def close(self) -> None:
-        """Ends the helper thread (after hashing what is queued). Idempotent."""
-        if self._thread.is_alive():
-            self._pending.put(None)
-            self._thread.join()
-
-
-class _ShmCopy:
-    """The server's copy of a shared-memory version: the open, locked file until a gRPC client
-    first needs the bytes, then how far the copy got, and its error once it failed.
-    FetchWeights streams what is copied (`wait_for`)."""
-
-    def __init__(self, size: int, source: ShmSource):
-        self.size = size
-        self.source = source
-        self.started = False     # set, under the store's lock, by the one who starts the copy
-        self.buf: Optional[bytearray] = None
-        self.copied = 0
-        self.error = ""
-        self.done = False
-        self._cond = threading.Condition()
-
-    def start(self, buf: bytearray) -> None:
-        with self._cond:
-            self.buf = buf
-
-    def advance(self, copied: int) -> None:
-        with self._cond:
-            self.copied = copied
-            self._cond.notify_all()
-
-    def finish(self, error: str = "") -> None:
-        with self._cond:
-            self.error, self.done = error, True
-            self._cond.notify_all()
-
-    def wait_for(self, end: int, timeout_s: float) -> memoryview:
-        """A view of the buffer once its first `end` bytes are copied; Abort (UNAVAILABLE) when
-        the copy failed or took longer than `timeout_s`."""
-        with self._cond:
-            self._cond.wait_for(lambda: self.copied >= end or self.error, timeout_s)
-            if self.error or self.copied < end:
-                raise Abort(grpc.StatusCode.UNAVAILABLE,
-                            f"FetchWeights: the server's copy of a shared-memory version "
-                            f"failed ({self.error or 'timed out'}); ask again for the newest")
-            return memoryview(self.buf).toreadonly()
-
-    def wait_done(self, timeout_s: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self.done, timeout_s)
 
 
 class VersionStore:
@@ -180,7 +80,7 @@ class VersionStore:
         self._validate_payload = validate_payload
         self._validate_layout = getattr(validate_payload, "layout_only", validate_payload)
         self._shm_root = shm_root
-        self._copies: Dict[int, _ShmCopy] = {}   # shared-memory versions being copied (or
+        self._copies: Dict[int, ShmCopy] = {}   # shared-memory versions being copied (or
                                                   # whose copy failed), until evicted
         self._lock = threading.Lock()
         self._versions: Deque[PublishedVersion] = collections.deque(maxlen=keep_versions)
@@ -204,6 +104,12 @@ class VersionStore:
                         f"{current}: versions must strictly increase; publish version > "
                         f"{current}")
 
+    def _check_newer_now(self, version: int) -> None:
+        """`_check_newer(version, allow_current=True)` under the lock (fail early, checked
+        again at commit)."""
+        with self._lock:
+            self._check_newer(version, allow_current=True)
+
     # ------------------------------------------------------------------ Publish
 
     def receive(self, chunks: Iterable[bytes]) -> Tuple[PublishedVersion, bool]:
@@ -218,7 +124,7 @@ class VersionStore:
             if chunk.HasField("shm_path"):
                 return self._receive_shm(chunk, data, chunks, start)
             chunks = itertools.chain((first_raw,), chunks)
-        digest = _Sha256Behind()
+        digest = Sha256Behind()
         try:
             record, republished, n_chunks = self._receive(chunks, digest)
         finally:
@@ -229,71 +135,12 @@ class VersionStore:
                      " (a repeat of the visible version)" if republished else "")
         return record, republished
 
-    def _assemble(self, chunks: Iterable[bytes], digest: _Sha256Behind):
-        """(first chunk, last chunk, assembly, CRC-32, number of chunks) of a whole stream."""
-        assembly: Optional[PayloadAssembler] = None
-        crc, n_chunks = 0, 0
-        first = last = None
-        for raw in chunks:
-            chunk, data = parse_chunk(variables_pb2.PublishChunk, raw, f"PublishChunk #{n_chunks}")
-            if last is not None:
-                raise Abort(_INVALID, f"Publish: chunk #{n_chunks} arrived after the chunk with "
-                            "last=true; end the stream after the last chunk")
-            if first is None:
-                first = chunk
-                if chunk.version < 0:
-                    raise Abort(_INVALID, f"Publish version={chunk.version}: must be >= 0")
-                if chunk.total_bytes < 0 or chunk.total_bytes > self._max_payload_bytes:
-                    raise Abort(_INVALID if chunk.total_bytes < 0
-                                else grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"Publish total_bytes={chunk.total_bytes}: must be in "
-                                f"[0, max_payload_bytes={self._max_payload_bytes}] (set on the "
-                                "first chunk to the size of the whole payload)")
-                if chunk.dropped_total < 0:
-                    raise Abort(_INVALID, f"Publish dropped_total={chunk.dropped_total}: must "
-                                "be >= 0")
-                with self._lock:   # fail early, checked again at commit
-                    self._check_newer(chunk.version, allow_current=True)
-                assembly = PayloadAssembler(chunk.total_bytes, self.buffers)
-            elif chunk.version != first.version:
-                raise Abort(_INVALID, f"Publish: chunk #{n_chunks} has version={chunk.version} "
-                            f"but the first chunk had version={first.version}; every chunk of "
-                            "one publish carries the same version")
-            elif chunk.total_bytes not in (0, first.total_bytes):
-                raise Abort(_INVALID, f"Publish: chunk #{n_chunks} has total_bytes="
-                            f"{chunk.total_bytes} but the first chunk said {first.total_bytes}")
-            if assembly.received + data.nbytes > first.total_bytes:
-                raise Abort(_INVALID, f"Publish: received {assembly.received + data.nbytes} "
-                            f"bytes by chunk #{n_chunks}, more than total_bytes="
-                            f"{first.total_bytes} announced on the first chunk")
-            assembly.add(data)
-            digest.update(data)
-            crc = wire.crc32(data, crc)
-            n_chunks += 1
-            if chunk.last:
-                last = chunk
-        if first is None:
-            raise Abort(_INVALID, "Publish: the stream had no chunks; send at least one "
-                        "PublishChunk with last=true")
-        return first, last, assembly, crc, n_chunks
-
-    def _receive(self, chunks: Iterable[bytes], digest: _Sha256Behind):
-        first, last, assembly, crc, n_chunks = self._assemble(chunks, digest)
+    def _receive(self, chunks: Iterable[bytes], digest: Sha256Behind):
+        stream = assemble(chunks, digest, self._max_payload_bytes, self.buffers,
+                          self._check_newer_now)
+        first, last, assembly, crc, n_chunks = stream
         version = first.version
-        problem = ""
-        if last is None:
-            problem = (f"the stream ended after {n_chunks} chunks ({assembly.received} bytes) "
-                       "without a chunk with last=true; the publish is incomplete and was "
-                       "discarded")
-        elif assembly.received != first.total_bytes:
-            problem = (f"received {assembly.received} bytes but total_bytes="
-                       f"{first.total_bytes}; the payload is truncated and was discarded")
-        elif not last.sha256 and not last.HasField("crc32"):
-            problem = ("the last chunk has no sha256 and no crc32; set either to the checksum of "
-                       "the whole payload (hex sha256, or zlib.crc32)")
-        elif last.HasField("crc32") and last.crc32 != crc:
-            problem = (f"crc32 mismatch (last chunk says {last.crc32:#010x}, payload has "
-                       f"{crc:#010x}); the payload was corrupted in transit and was discarded")
+        problem = stream_problem(stream)
         # After a verified CRC-32 the version becomes visible while the helper thread finishes
         # hashing, and Publish answers once the digest is recorded; a claimed sha256, or a
         # repeat of the visible version (compared by digest), needs the digest first.
@@ -311,7 +158,7 @@ class VersionStore:
             self.buffers.give(assembly.payload())
             raise Abort(_INVALID, f"Publish version={version}: {problem}")
         payload = memoryview(assembly.payload()).toreadonly()
-        del assembly
+        del assembly, stream
         if self._validate_payload is not None:
             try:
                 self._validate_payload(version, payload, first.format)
@@ -343,14 +190,7 @@ class VersionStore:
         current = self._versions[-1] if self._versions else None
         if current is None or current.version != record.version:
             return None
-        if current.num_bytes != record.num_bytes:
-            same: Optional[bool] = False
-        elif current.sha256 and record.sha256:
-            same = current.sha256 == record.sha256
-        elif current.shm_path or record.shm_path:    # no sha256 there: size and CRC-32
-            same = current.crc32 == record.crc32
-        else:
-            same = None
+        same = same_payload(current, record)
         if same is None:
             raise Abort(grpc.StatusCode.UNAVAILABLE,
                         f"Publish version={record.version}: another Publish of this version "
@@ -387,44 +227,12 @@ class VersionStore:
         version, size = chunk.version, chunk.total_bytes
         extra = sum(1 for _ in rest)
         what = f"Publish version={version} (shm_path={chunk.shm_path!r})"
-        if self._shm_root is None:
-            raise Abort(grpc.StatusCode.UNIMPLEMENTED, f"{what}: this server takes no "
-                        "shared-memory publishes; stream the payload instead")
-        if extra or data.nbytes or not chunk.last or not chunk.HasField("crc32"):
-            raise Abort(_INVALID, f"{what}: a shared-memory publish is one chunk with last=true, "
-                        "crc32 and no data")
-        if version < 0 or chunk.dropped_total < 0:
-            raise Abort(_INVALID, f"{what}: version and dropped_total must be >= 0")
-        if not 0 < size <= self._max_payload_bytes:
-            raise Abort(_INVALID if size <= 0 else grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"{what}: total_bytes={size} must be in [1, max_payload_bytes="
-                        f"{self._max_payload_bytes}]")
-        with self._lock:                                  # fail early, checked again at commit
-            self._check_newer(version, allow_current=True)
-        try:
-            source = ShmSource(chunk.shm_path, size, self._shm_root)
-        except ValueError as e:
-            raise Abort(_INVALID, f"{what}: {e}") from None
-        except OSError as e:                              # e.g. the publisher is on another host
-            raise Abort(grpc.StatusCode.UNIMPLEMENTED, f"{what}: the file cannot be read on "
-                        f"the server's host ({e}); stream the payload instead") from None
+        check_shm_chunk(chunk, data, extra, self._shm_root, self._max_payload_bytes, what)
+        self._check_newer_now(version)                    # fail early, checked again at commit
+        source = open_shm_source(chunk.shm_path, size, self._shm_root, what)
         try:
             if self._validate_layout is not None:
-                view, mapping = source.header_view()   # reads the header's pages only
-                problem = ""
-                try:
-                    self._validate_layout(version, view, chunk.format)
-                except ValueError as e:
-                    problem = str(e)
-                finally:
-                    view.release()
-                    try:
-                        mapping.close()
-                    except BufferError:    # a view outlives the call: unmapped when it goes
-                        pass
-                if problem:
-                    raise Abort(_INVALID, f"{what}: payload rejected: {problem}; the version "
-                                "was discarded")
+                check_layout(source, self._validate_layout, version, chunk.format, what)
             record = PublishedVersion(version=version, payload=None, sha256="",
                                       format=chunk.format, dropped_total=chunk.dropped_total,
                                       publish_time=time.time(), crc32=chunk.crc32,
@@ -434,7 +242,7 @@ class VersionStore:
                 if current is None:
                     self._append_locked(record)            # the atomic swap
                     self.counters["shm_published"] += 1
-                    self._copies[version] = _ShmCopy(size, source)   # copied on demand
+                    self._copies[version] = ShmCopy(size, source)   # copied on demand
         except BaseException:
             source.close()
             raise
@@ -445,7 +253,7 @@ class VersionStore:
                      "in %.3f s", version, size, chunk.shm_path, time.monotonic() - start)
         return record, False
 
-    def _start_copy_locked(self, record: PublishedVersion, copy: "_ShmCopy") -> None:
+    def _start_copy_locked(self, record: PublishedVersion, copy: "ShmCopy") -> None:
         """Starts the server's copy of a shared-memory version unless it runs already (the
         first FetchWeights of it, or wait_copied). Needs the lock."""
         if copy.started:
@@ -454,7 +262,7 @@ class VersionStore:
         threading.Thread(target=self._copy_shm, args=(record, copy.source, copy), daemon=True,
                          name=f"variable-server-shm-copy-{record.version}").start()
 
-    def _copy_shm(self, record: PublishedVersion, source: ShmSource, copy: "_ShmCopy") -> None:
+    def _copy_shm(self, record: PublishedVersion, source: ShmSource, copy: "ShmCopy") -> None:
         """The server's own copy of a shared-memory version (what FetchWeights streams, as the
         copy passes each chunk)."""
         try:
@@ -536,29 +344,10 @@ class VersionStore:
                 self._start_copy_locked(record, copy)
         chunk_bytes = max(MIN_FETCH_CHUNK_BYTES, chunk_bytes)
         if record.payload is not None:
-            return self._frames(record, record.payload, chunk_bytes)
+            return frames(record, record.payload, chunk_bytes)
         if copy is None or copy.error:               # a shared-memory version, not copied
             raise Abort(grpc.StatusCode.UNAVAILABLE,
                         f"FetchWeights version={record.version}: published through shared "
                         "memory and the server has no copy of it "
                         f"({copy.error if copy else 'evicted'}); ask again for the newest")
-        return self._frames(record, None, chunk_bytes, copy)
-
-    @staticmethod
-    def _frames(record: PublishedVersion, payload: Optional[memoryview], chunk_bytes: int,
-                copy: Optional["_ShmCopy"] = None) -> Iterator[bytes]:
-        """The chunks of `payload`, or, while the server copies a shared-memory version, of
-        `copy`'s buffer, each once the copy has passed it (cut-through: the client checks the
-        CRC-32 of the whole before it uses any of it)."""
-        total, offset = record.num_bytes, 0
-        first = variables_pb2.WeightsChunk(version=record.version, total_bytes=total,
-                                           sha256=record.sha256, format=record.format,
-                                           crc32=record.crc32).SerializeToString()
-        head = variables_pb2.WeightsChunk(version=record.version).SerializeToString()
-        while True:
-            end = min(offset + chunk_bytes, total)
-            data = payload if copy is None else copy.wait_for(end, SHM_COPY_TIMEOUT_S)
-            yield wire.encode_chunk(first if offset == 0 else head, (data[offset:end],))
-            offset = end
-            if offset >= total:
-                return
+        return frames(record, None, chunk_bytes, copy)

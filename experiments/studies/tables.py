@@ -1,5 +1,5 @@
 """Multiplicity of a study's comparisons: the p-value columns of comparisons.csv, their marks in
-summary.md and the family sizes in study.json (programs/studies/presets.py builds the rows).
+summary.md and the family sizes in study.json (experiments/studies/presets.py builds the rows).
 
 A study compares pairs of variants (Study.comparisons, a - b) on several metrics, each with a
 Welch 95% interval and a verdict. Making many comparisons makes some "higher"/"lower" verdicts
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-from programs.studies import metrics as sm
+from experiments.studies import metrics as sm
 
 PRIMARY_METRIC = "final_eval_accuracy"
 ALPHA = 0.05

@@ -29,9 +29,9 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from programs.studies import metrics as sm
-from programs.studies import tables
-from programs import sweeps
+from experiments.studies import metrics as sm
+from experiments.studies import tables
+from experiments import sweeps
 from sao_actor_learner.config import SAOConfig
 from sao_actor_learner.observers import read_metrics
 
@@ -521,7 +521,7 @@ def cells_of(study: Study) -> List[Tuple[Variant, sweeps.Cell]]:
 
 
 def output_names(study: Study) -> Tuple[str, ...]:
-    from programs.studies import plots as study_plots
+    from experiments.studies import plots as study_plots
     return ("results.csv", "curves.csv", "summary.csv", "comparisons.csv", "summary.md",
             "study.json") + study_plots.plot_names(study) + (
         ("recovery.csv",) if study.kind == "shift" else ())

@@ -1,7 +1,7 @@
 """Grids of runs for studies: methods x staleness x batch shapes x seeds (and other axes).
 
-Used by programs/staleness_sweep.py, programs/value_pretrain_sweep.py and
-programs/online_shift.py. A sweep is a list of `Cell`s, each one run of the whole program
+Used by the study presets (experiments/studies/) and the sweep presets of programs/study.py
+(experiments/sweep_presets/). A sweep is a list of `Cell`s, each one run of the whole program
 (`run.run_program`) in its own folder `<out_dir>/runs/<cell name>`. Sweeps are resumable: a cell
 whose folder already holds a summary.json made by the same config is not run again. After every
 cell the sweep rewrites `<out_dir>/results.csv` (one row per run); programs then draw PNG plots
@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from programs.studies.metrics import moving_average
+from experiments.studies.metrics import moving_average
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.observers import read_metrics, write_json_atomic
 
@@ -337,7 +337,8 @@ def pyplot():
     return plt
 
 
-def _num(v) -> Optional[float]:
+def finite_number(v) -> Optional[float]:
+    """`v` as a finite float; None when it is missing, not a number, NaN or infinite."""
     try:
         x = float(v)
     except (TypeError, ValueError):
@@ -416,7 +417,8 @@ def plot_drift_vs_staleness(rows: Sequence[Dict], path: str, title: str = "") ->
         for label, by_eta in sorted(groups.items()):
             xs, ys = [], []
             for eta in sorted(by_eta):
-                vals = [v for v in (_num(r.get(key)) for r in by_eta[eta]) if v is not None]
+                vals = [v for v in (finite_number(r.get(key)) for r in by_eta[eta])
+                        if v is not None]
                 if vals:
                     xs.append(eta)
                     ys.append(sum(vals) / len(vals))

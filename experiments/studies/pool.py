@@ -2,7 +2,7 @@
 
 `programs/study.py --workers=N`: a program run in local_mt mode keeps about one core busy (its
 nodes are threads under one GIL), so on a 2-core machine two cells side by side finish the grid
-in about half the time. Every cell is one fresh interpreter (`python -m programs.studies.pool
+in about half the time. Every cell is one fresh interpreter (`python -m experiments.studies.pool
 CONFIG_JSON_PATH`, see `main`) that runs `run.run_program` on the config and exits, so runs never
 share a process, a port or a torch thread pool. What a cell prints goes to
 `<log_dir>/<cell>.log`, beside the config it ran (`<cell>.config.json`).
@@ -44,7 +44,7 @@ def run_in_processes(configs: Sequence[SAOConfig], workers: int, log_dir: str,
         with open(config_path, "w") as f:
             f.write(config.to_json())
         with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
-            rc = subprocess.call([sys.executable, "-m", "programs.studies.pool", config_path],
+            rc = subprocess.call([sys.executable, "-m", "experiments.studies.pool", config_path],
                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         with lock:
             done[0] += 1
@@ -60,9 +60,9 @@ def run_in_processes(configs: Sequence[SAOConfig], workers: int, log_dir: str,
 
 
 def main(argv: Sequence[str]) -> int:
-    """One cell: `python -m programs.studies.pool CONFIG_JSON_PATH` (a SAOConfig.to_json)."""
+    """One cell: `python -m experiments.studies.pool CONFIG_JSON_PATH` (a SAOConfig.to_json)."""
     if len(argv) != 2:
-        sys.stderr.write("usage: python -m programs.studies.pool CONFIG_JSON_PATH\n")
+        sys.stderr.write("usage: python -m experiments.studies.pool CONFIG_JSON_PATH\n")
         return 2
     from sao_actor_learner.builder import make_program
     from sao_actor_learner.run import run_program

@@ -1,15 +1,16 @@
-"""Online adaptation: the reward's preference flips every --shift_every policy versions.
+"""The online-shift sweep: the reward's preference flips every --shift_every policy versions
+(`programs/study.py --preset=online_shift_sweep`).
 
 task=online_shift (tasks/online_shift.py): phase 0 rewards the true sum (37+45 -> 82), phase 1
 the carry-free sum (-> 72), alternating. SAO (single rollouts, critic) against GRPO (groups),
 and any other method of sweeps.METHODS; reports how many learner steps each needs to recover
 after each shift.
 
-  python programs/online_shift.py --preset=full --out_dir=runs/online_shift \
-      --results_dir=results/online_shift
-  python programs/online_shift.py --preset=smoke --out_dir=/tmp/shift            # seconds
-  python programs/online_shift.py --methods=sao,grpo,critic_free --shapes=16x1,4x4 \
-      --shift_every=20 --max_steps=80 --seeds=0,1 --out_dir=runs/shift
+  python programs/study.py --preset=online_shift_sweep --size=full \
+      --out_dir=runs/online_shift --results_dir=results/online_shift
+  python programs/study.py --preset=online_shift_sweep --size=smoke --out_dir=/tmp/shift  # seconds
+  python programs/study.py --preset=online_shift_sweep --methods=sao,grpo,critic_free \
+      --shapes=16x1,4x4 --shift_every=20 --max_steps=80 --seeds=0,1 --out_dir=runs/shift
 
 Recovery after a shift at version s: the pre-shift level L is the mean training reward of the
 --window steps up to s; the dip is the lowest --window-step moving average in the new phase
@@ -25,38 +26,23 @@ online_shift.png (reward and held-out accuracy under the current rule vs step, s
 Resumable like every sweep; every other SAOConfig field is a flag.
 """
 import os
-import sys
+from typing import Callable, Dict
 
-from absl import app, flags
-
-# Runnable as a script from the repository root without installation (programs.sweeps).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from programs import sweeps  # noqa: E402
-from programs.studies import metrics as study_metrics  # noqa: E402
-from sao_actor_learner.builder import make_program
+from experiments import sweeps
+from experiments.studies import metrics as study_metrics
 from sao_actor_learner.config import ConfigError, SAOConfig
-from sao_actor_learner.flags import config_from_flags, define_flags_from_dataclass
+from sao_actor_learner.flags import config_from_flags
 from sao_actor_learner.observers import read_metrics
 from sao_actor_learner.preflight import check_before_launch
-from sao_actor_learner.run import run_program
 
-GRID_FIELDS = ("algorithm", "policy_loss", "batch_size", "group_size", "seed", "run_dir",
+OUT_DIR = "runs/online_shift"
+# The SAOConfig fields each cell sets (task: always online_shift).
+CELL_FIELDS = ("algorithm", "policy_loss", "batch_size", "group_size", "seed", "run_dir",
                "forced_staleness", "task")
-define_flags_from_dataclass(SAOConfig, skip=GRID_FIELDS)
-flags.DEFINE_enum("preset", "full", ["smoke", "full"], "Grid and run size; explicit flags win.")
-flags.DEFINE_string("out_dir", "runs/online_shift", "Where runs/, csv files and plots go.")
-flags.DEFINE_list("methods", ["sao", "grpo"], "Methods to compare (sweeps.METHODS).")
-flags.DEFINE_list("shapes", ["16x1", "4x4"], "Batch shapes PROMPTSxGROUP (GRPO skips G=1).")
-flags.DEFINE_list("seeds", ["0", "1"], "Seeds.")
-flags.DEFINE_integer("window", 5, "Steps averaged for the pre-shift level and recovery.")
-flags.DEFINE_float("recover_fraction", 0.9, "Recovered at this fraction of the pre-shift level.")
-flags.DEFINE_bool("progress", True, "Show progress.")
-flags.DEFINE_string("results_dir", "",
-                    "Also copy the CSV files and plots here (e.g. results/...).")
-FLAGS = flags.FLAGS
-
-PRESETS = {
+# The sweep flags of programs/study.py this preset reads.
+OWN_FLAGS = ("methods", "shapes", "seeds", "window", "recover_fraction")
+# --size: the grid and run size; a flag given on the command line wins.
+SIZES = {
     "smoke": dict(methods=["sao", "grpo"], shapes=["4x1", "2x2"], seeds=["0"], shift_every=2,
                   max_steps=4, window=1, num_actors=1, actor_batch=4, eval_every=2,
                   eval_size=20, launch="local_mt"),
@@ -67,8 +53,8 @@ PRESETS = {
                  eval_every=5, eval_size=100),
 }
 RECOVERY_COLUMNS = ("method", "batch_shape", "seed", "shift", "shift_step", "to_phase",
-                    "pre_level", "dip", "dip_step", "phase_mean_reward", "steps_to_recover", "eval_pre",
-                    "eval_at_shift", "eval_steps_to_recover")
+                    "pre_level", "dip", "dip_step", "phase_mean_reward", "steps_to_recover",
+                    "eval_pre", "eval_at_shift", "eval_steps_to_recover")
 
 
 def recovery(rewards_by_step, shift_every, max_steps, window, fraction, eval_by_step=None):
@@ -77,7 +63,7 @@ def recovery(rewards_by_step, shift_every, max_steps, window, fraction, eval_by_
     the phase). With `eval_by_step` (held-out accuracy under the current rule by version) also
     eval_pre (the last accuracy before the shift), eval_at_shift and eval_steps_to_recover (first
     evaluated version in the phase at fraction x eval_pre, minus the shift version). The rules
-    are programs/studies/metrics.py's `recovery` and `eval_recovery`."""
+    are experiments/studies/metrics.py's `recovery` and `eval_recovery`."""
     evals = {e["shift"]: e for e in study_metrics.eval_recovery(eval_by_step or {}, shift_every,
                                                                 max_steps, fraction)}
     out = []
@@ -128,30 +114,25 @@ def plot(rows, shift_every, max_steps, eval_every, path, title):
     return sweeps.save_figure(fig, path, title)
 
 
-def main(argv):
-    del argv
-    sweeps.apply_preset(FLAGS, PRESETS[FLAGS.preset])
-    try:
-        base = config_from_flags(SAOConfig, task="online_shift")
-        check_before_launch(base)
-        if base.max_steps <= base.shift_every:
-            raise ConfigError(f"max_steps={base.max_steps} <= shift_every={base.shift_every}: "
-                              "the reward would never shift; raise max_steps")
-        if not 1 <= FLAGS.window <= base.shift_every:
-            raise ConfigError(f"window={FLAGS.window}: must be in [1, shift_every="
-                              f"{base.shift_every}]")
-        cells, skipped = sweeps.grid(FLAGS.methods, FLAGS.shapes, [base.max_staleness],
-                                     [int(s) for s in FLAGS.seeds], "limit")
-        for cell in cells:
-            cell.config(base, FLAGS.out_dir)
-    except ConfigError as e:
-        sys.exit(f"invalid configuration: {e}")
+def run(flag_values, run_fn: Callable[[SAOConfig], Dict]) -> None:
+    """Builds and checks every cell's config (ConfigError before anything runs), runs the
+    unfinished cells with `run_fn`, writes results.csv, recovery.csv and the plot into
+    --out_dir and prints the recovery table."""
+    base = config_from_flags(SAOConfig, flag_values, task="online_shift")
+    check_before_launch(base)
+    if base.max_steps <= base.shift_every:
+        raise ConfigError(f"max_steps={base.max_steps} <= shift_every={base.shift_every}: "
+                          "the reward would never shift; raise max_steps")
+    if not 1 <= flag_values.window <= base.shift_every:
+        raise ConfigError(f"window={flag_values.window}: must be in [1, shift_every="
+                          f"{base.shift_every}]")
+    cells, skipped = sweeps.grid(flag_values.methods, flag_values.shapes, [base.max_staleness],
+                                 [int(s) for s in flag_values.seeds], "limit")
+    for cell in cells:
+        cell.config(base, flag_values.out_dir)
     for s in skipped:
         print(f"skipped: {s}")
-    rows = sweeps.run_cells(cells, base, FLAGS.out_dir,
-                            lambda config: run_program(config, make_program,
-                                                       progress=FLAGS.progress),
-                            progress=FLAGS.progress)
+    rows = sweeps.run_cells(cells, base, flag_values.out_dir, run_fn, progress=flag_values.progress)
     shifts = []
     for r in rows:
         if r.get("status") != "ok":
@@ -161,15 +142,15 @@ def main(argv):
         for m in read_metrics(r["run_dir"], "eval"):  # binned as in the plot
             evals.setdefault(m["step"] // max(base.eval_every, 1) * max(base.eval_every, 1),
                              m["eval_accuracy"])
-        for rec in recovery(rewards, base.shift_every, base.max_steps, FLAGS.window,
-                            FLAGS.recover_fraction, evals):
+        for rec in recovery(rewards, base.shift_every, base.max_steps, flag_values.window,
+                            flag_values.recover_fraction, evals):
             shifts.append({"method": r["method"], "batch_shape": r["batch_shape"],
                            "seed": r["seed"], **rec})
-    sweeps.write_csv(shifts, os.path.join(FLAGS.out_dir, "recovery.csv"), RECOVERY_COLUMNS)
+    sweeps.write_csv(shifts, os.path.join(flag_values.out_dir, "recovery.csv"), RECOVERY_COLUMNS)
     title = (f"online shift every {base.shift_every} versions, max_staleness="
-             f"{base.max_staleness}, seeds={','.join(FLAGS.seeds)}")
+             f"{base.max_staleness}, seeds={','.join(flag_values.seeds)}")
     path = plot(rows, base.shift_every, base.max_steps, max(base.eval_every, 1),
-                os.path.join(FLAGS.out_dir, "online_shift.png"), title)
+                os.path.join(flag_values.out_dir, "online_shift.png"), title)
     print(f"{'method':<18} {'shift':>5} {'pre level':>9} {'dip':>6} {'phase mean':>10} "
           f"{'steps to recover':>16} {'eval pre->at shift':>18} {'eval steps back':>15}")
     keys = sorted({(s["method"], s["batch_shape"], s["shift"]) for s in shifts})
@@ -184,10 +165,6 @@ def main(argv):
               f"{sum(s['phase_mean_reward'] for s in group) / len(group):>10.3f} "
               f"{shown:>16} {_eval_pair(group):>18} {_eval_back(group):>15}"
               + (f"  (reward recovery mean {sum(done) / len(done):.1f})" if done else ""))
-    sweeps.finish(rows, FLAGS.out_dir, FLAGS.results_dir,
+    sweeps.finish(rows, flag_values.out_dir, flag_values.results_dir,
                   ("results.csv", "recovery.csv", "online_shift.png"),
                   f", recovery.csv; plot: {path}")
-
-
-if __name__ == "__main__":
-    app.run(main)

@@ -9,7 +9,7 @@ Standard library only. Each function has a slow, obvious twin in tests/test_stud
   test behind every "A > B" verdict of the report; `welch_p`: the same test's two-sided p-value
   (below 0.05 exactly when the 95% interval excludes 0).
 - `holm`, `bonferroni`: p-values adjusted for the number of tests in a family (the study's
-  families: programs/studies/tables.py).
+  families: experiments/studies/tables.py).
 - `collapse_step`: whether and when a run collapses (the rule of sweeps.is_collapsed, dated).
 - `recovery`: adaptation after a reward shift (steps until a moving average is back at a
   fraction of its pre-shift level).
@@ -89,7 +89,8 @@ def t_quantile(p: float, df: float) -> float:
 
 
 # --- means and intervals -----------------------------------------------------------------------
-def _finite(values: Sequence) -> List[float]:
+def finite_values(values: Sequence) -> List[float]:
+    """The values that are finite numbers, as floats (None, text, NaN and inf left out)."""
     out = []
     for v in values:
         try:
@@ -107,7 +108,7 @@ def mean_ci(values: Sequence, confidence: float = 0.95) -> Dict[str, Optional[fl
     half = t_{(1+confidence)/2, n-1} * sd / sqrt(n), sd the sample (n-1) standard deviation;
     n = 1 gives mean only (sd, half, lo, hi None); n = 0 gives every entry None but n.
     """
-    xs = _finite(values)
+    xs = finite_values(values)
     n = len(xs)
     out: Dict[str, Optional[float]] = dict(n=n, mean=None, sd=None, half=None, lo=None, hi=None)
     if not n:
@@ -128,7 +129,7 @@ def welch(a: Sequence, b: Sequence, confidence: float = 0.95) -> Dict[str, Optio
     Needs two finite values on each side; otherwise lo, hi and df are None. When both samples
     have zero variance the interval is the point itself (df None).
     """
-    xa, xb = _finite(a), _finite(b)
+    xa, xb = finite_values(a), finite_values(b)
     out: Dict[str, Optional[float]] = dict(diff=None, lo=None, hi=None, df=None)
     if not xa or not xb:
         return out
@@ -155,7 +156,7 @@ def welch_p(a: Sequence, b: Sequence) -> Optional[float]:
     p = 2 P(T <= -|t|). None where `welch` has no df: fewer than two finite values on a side,
     or zero variance on both (the difference is then exact, or a tie: no test applies).
     """
-    xa, xb = _finite(a), _finite(b)
+    xa, xb = finite_values(a), finite_values(b)
     if len(xa) < 2 or len(xb) < 2:
         return None
     ma, mb = sum(xa) / len(xa), sum(xb) / len(xb)

@@ -26,7 +26,7 @@ from typing import List
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from programs.workloads import word_problems
+from experiments.workloads import word_problems
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Qwen2's pre-tokenization regex: letters with an optional leading non-letter, single digits,

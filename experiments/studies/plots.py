@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from programs.studies import metrics as sm
-from programs.sweeps import pyplot, save_figure
+from experiments.studies import metrics as sm
+from experiments.sweeps import pyplot, save_figure
 
 PLOTS = {"curves": ("accuracy.png", "reward.png"),
          "staleness": ("accuracy.png", "staleness.png"),
@@ -25,7 +25,7 @@ def _per_seed(curves: Sequence[Dict], vid: str, key: str) -> List[Dict[int, floa
     for r in curves:
         if r["variant"] != vid:
             continue
-        v = sm._finite([r.get(key)])
+        v = sm.finite_values([r.get(key)])
         if v:
             by_seed.setdefault(r["seed"], {})[int(r["step"])] = v[0]
     return list(by_seed.values())

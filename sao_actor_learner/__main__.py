@@ -1,0 +1,92 @@
+"""Trains a policy with SAO on the actor-learner program: the main entry point.
+
+  python -m sao_actor_learner --task=arithmetic --max_steps=60 --num_actors=2 \
+      --max_staleness=4 --launch=local_mp --run_dir=runs/main --seed=0
+  sao-train --task=arithmetic ...          # the same, installed as a console script
+  python programs/sao.py ...               # the same, from the repository
+
+Every field of `SAOConfig` is a flag (`--help` lists them). The config is validated before any
+process starts: an invalid value exits with "invalid configuration: ..." and launches nothing.
+Writes config.json, metrics.jsonl, TensorBoard events, checkpoints/ and summary.json under
+--run_dir, and prints the held-out accuracy before and after.
+
+Security (docs/OPERATIONS.md section 2, sao_actor_learner/credentials.py): $SAO_AUTH_TOKEN (or
+--auth_token, which `ps` shows) is the secret every variable-server call must carry; a
+non-loopback --bind_host needs it and TLS (--tls_cert, --tls_key) or --insecure_transport.
+A run split over hosts (--groups, --service_addresses) also takes $SAO_LEARNER_TOKEN and
+$SAO_ROLLOUT_SECRET from the environment. No secret is written to config.json or logs.
+"""
+import json
+import os
+import sys
+
+from absl import app, flags
+
+from sao_actor_learner import flags as config_flags
+from sao_actor_learner.builder import make_program
+from sao_actor_learner.config import RENAMED_FIELDS, ConfigError, SAOConfig
+from sao_actor_learner.config.network import parse_service_addresses
+from sao_actor_learner.run import run_program
+from sao_actor_learner.split_launch import runs_remote_learner
+
+config_flags.define_flags_from_dataclass(SAOConfig)
+flags.adopt_module_key_flags(config_flags)   # --help lists the config's flags too
+flags.DEFINE_bool("progress", True, "Show a progress line.")
+flags.DEFINE_string("auth_token", None, "Shared secret for every variable-server call (default: "
+                    "$SAO_AUTH_TOKEN, which is better: other users see a command line in ps); "
+                    "needed with a non-loopback --bind_host. Not saved.")
+for _old, (_new, _, _) in RENAMED_FIELDS.items():   # refused with the new name, not "unknown"
+    flags.DEFINE_string(_old, None, f"Renamed: use --{_new}.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    """Validates the config from the flags, runs the program, prints its summary."""
+    del argv
+    try:
+        for old, (new, _, why) in RENAMED_FIELDS.items():
+            if FLAGS[old].present:
+                raise ConfigError(f"--{old} was renamed --{new}: {why}")
+        config = config_flags.config_from_flags(SAOConfig)
+        if FLAGS.auth_token is not None:   # the nodes read it from the environment they inherit
+            os.environ["SAO_AUTH_TOKEN"] = FLAGS.auth_token
+        summary = run_program(config, make_program, progress=FLAGS.progress)
+    except ConfigError as e:
+        sys.exit(f"invalid configuration: {e}")
+    print(json.dumps(summary, indent=2, sort_keys=True))
+    if runs_remote_learner(config):   # a launch of actors alone (--groups)
+        print(f"actors done: {summary['rollouts_inserted']} rollouts inserted for the learner at "
+              f"{parse_service_addresses(config.service_addresses)['variables']}")
+        return
+    print(f"held-out accuracy: {summary['initial_eval_accuracy']} (warm start) -> "
+          f"{summary['final_eval_accuracy']} after {summary['steps']} steps "
+          f"in {summary['wall_time_s']:.0f}s; summary at {config.run_dir}/summary.json")
+
+
+HELP_FLAGS = ("-h", "-?", "help", "helpshort", "helpfull", "helpxml")
+
+
+def asks_for_help(args) -> bool:
+    """Whether the command line (`args`, the program name left out) asks for a help text."""
+    for arg in args:
+        if arg == "--":
+            return False
+        if arg in HELP_FLAGS[:2] or arg.lstrip("-").split("=")[0] in HELP_FLAGS[2:]:
+            return True
+    return False
+
+
+def console_main(argv=None):
+    """`python -m sao_actor_learner`, the `sao-train` console script (setup.py) and
+    programs/sao.py. absl exits 1 after printing a help text; asked for, it is a success."""
+    argv = list(sys.argv if argv is None else argv)
+    try:
+        app.run(main, argv=argv)
+    except SystemExit as e:
+        if e.code == 1 and asks_for_help(argv[1:]):
+            sys.exit(0)
+        raise
+
+
+if __name__ == "__main__":
+    console_main()
