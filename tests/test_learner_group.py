@@ -120,3 +120,14 @@ def test_a_program_with_two_learner_ranks_trains_and_survives_kill_9_of_a_rank(w
     assert acc["learner_version"] == 12 and acc["trained"] == 12 * config.batch_size
     assert acc["lost"] == 0 and acc["consumed_twice"] == 0 and acc["forgot_early"] == 0, acc
     assert summary["rollouts_trained"] == 12 * config.batch_size
+
+
+def test_a_one_host_group_keeps_gloo_on_the_loopback_interface():
+    """gloo ranks listen on the address the host name resolves to unless told an interface: a
+    group whose store is on loopback pins them to the loopback interface (a user's own
+    GLOO_SOCKET_IFNAME, or a multi-host group, is left to gloo)."""
+    from sao_actor_learner.learner.distributed import gloo_interface
+    assert gloo_interface("127.0.0.1", {}).startswith("lo")     # Linux "lo", BSD "lo0"
+    assert gloo_interface("localhost", {}) == gloo_interface("127.0.0.1", {})
+    assert gloo_interface("10.1.2.3", {}) == ""
+    assert gloo_interface("127.0.0.1", {"GLOO_SOCKET_IFNAME": "eth0"}) == ""

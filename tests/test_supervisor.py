@@ -155,3 +155,29 @@ def test_a_failed_group_restart_names_the_group_and_the_node():
     assert sup.failure_headline(records["dp_0"]) == (
         "group 'dp' (after dp_1 crashed) could not be restarted: node dp_0 ignored the stop "
         "request")
+
+
+def test_backoff_starts_over_after_an_instance_that_ran_long_enough(monkeypatch):
+    """Crashes in a row double the backoff; a crash of an instance that ran reset_after_s or
+    longer is not a crash loop: its restart waits backoff_s again (also for a together-group)."""
+    from sao_actor_learner.launch import supervisor as supervisor_lib
+    now = [1000.0]
+    monkeypatch.setattr(supervisor_lib.time, "monotonic", lambda: now[0])
+    with pytest.raises(ValueError, match="reset_after_s"):
+        lp.RestartPolicy(reset_after_s=-1)
+    for together in (False, True):
+        records = _records(actor=1)
+        sup = _supervisor(records, actor=lp.RestartPolicy(
+            max_restarts=10, backoff_s=1.0, max_backoff_s=8.0, reset_after_s=60.0,
+            together=together))
+        a0 = records["actor_0"]
+        delays = []
+        for ran_s in (5, 5, 5, 5, 61, 5, 120):     # how long each instance ran before crashing
+            now[0] += ran_s
+            plan = sup.on_exit(a0, -signal.SIGKILL, None, stopping=False)
+            delays.append(plan.delay)
+            now[0] += plan.delay                     # the new instance starts when due
+            sup.plan_started(plan)
+            a0.status, a0.generation = "running", a0.generation + 1
+        assert delays == [1.0, 2.0, 4.0, 8.0, 1.0, 2.0, 1.0], together
+        assert a0.restarts == 7                    # max_restarts still counts every crash

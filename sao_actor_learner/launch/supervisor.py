@@ -57,6 +57,9 @@ class RestartPolicy:
       the crash after the last one fails the program with NodeFailedError.
     backoff_s: wait before the first restart; doubles with each further restart of the same
       node (of the group when `together`): 1, 2, 4, ... s, up to `max_backoff_s`.
+    reset_after_s: an instance that ran at least this long before it crashed was not in a
+      crash loop: its restart waits `backoff_s` again (the doubling starts over), so a long
+      run's occasional crashes never accumulate to `max_backoff_s` each.
     together: a crash of any node of the group stops and restarts all of its nodes (see the
       module docstring).
     """
@@ -64,6 +67,7 @@ class RestartPolicy:
     backoff_s: float = 1.0
     max_backoff_s: float = 30.0
     together: bool = False
+    reset_after_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
@@ -75,6 +79,8 @@ class RestartPolicy:
         if self.max_backoff_s < self.backoff_s:
             raise ValueError(f"max_backoff_s={self.max_backoff_s} < backoff_s={self.backoff_s}: "
                              "raise max_backoff_s")
+        if not self.reset_after_s >= 0:
+            raise ValueError(f"reset_after_s={self.reset_after_s}: must be >= 0 seconds")
         if not isinstance(self.together, bool):
             raise TypeError(f"together={self.together!r}: must be True or False")
 
@@ -109,6 +115,24 @@ def _hung(r: NodeRecord) -> bool:
     return (r.error or "").startswith(HUNG_PREFIX)
 
 
+class _BackoffStreak:
+    """Crashes in a row of one node (or together-group) whose instance had run for less than
+    `reset_after_s`: the exponent of its next backoff (RestartPolicy)."""
+
+    def __init__(self) -> None:
+        self.streak = 0
+        self.started = time.monotonic()    # when the current instance was due to start
+
+    def next_delay(self, policy: RestartPolicy) -> float:
+        now = time.monotonic()
+        if now - self.started >= policy.reset_after_s:
+            self.streak = 0
+        self.streak += 1
+        delay = policy.delay(self.streak)
+        self.started = now + delay
+        return delay
+
+
 class _GroupState:
     """A together-group's own restart count and history."""
 
@@ -116,6 +140,7 @@ class _GroupState:
         self.label, self.policy, self.records = label, policy, records
         self.restarts = 0
         self.history: List[dict] = []
+        self.backoff = _BackoffStreak()
 
 
 class Supervisor:
@@ -138,6 +163,7 @@ class Supervisor:
             self.policies[label] = policy
         self._groups = {label: _GroupState(label, policy, groups[label])
                         for label, policy in self.policies.items() if policy.together}
+        self._backoff: Dict[str, _BackoffStreak] = {}   # node name -> its crash streak
 
     # ---------------------------------------------------------------------------- exits
     def on_exit(self, r: NodeRecord, exitcode: int, error: Optional[str],
@@ -194,7 +220,10 @@ class Supervisor:
                 number = r.restarts + 1
             for m in started:
                 m.restarts += 1
-            delay = policy.delay(number)
+            del number   # counts against max_restarts; the backoff follows the crash streak
+            streak = state.backoff if state is not None else self._backoff.setdefault(
+                r.name, _BackoffStreak())
+            delay = streak.next_delay(policy)
         plan = RestartPlan(group=r.label, cause=r, members=members,
                            to_stop=[m for m in members if m.status == "running" and m is not r],
                            delay=delay, requested=requested, together=state is not None,

@@ -24,6 +24,8 @@ No reverb, tensorflow or grpc here.
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 from typing import Any, Iterable, List, Sequence
 
 import torch
@@ -136,6 +138,18 @@ def serve_store(host: str, port: int, timeout_s: float = 300.0):
                          timeout=datetime.timedelta(seconds=timeout_s), use_libuv=False)
 
 
+def gloo_interface(store_host: str, environ) -> str:
+    """The network interface gloo's ranks should listen on: the loopback interface when the
+    group's store is on loopback (a one-host group), so that no rank listens on the address the
+    host name resolves to (gloo's default, a LAN address on many machines); "" to leave gloo's
+    choice (a multi-host group, or GLOO_SOCKET_IFNAME already set by the user)."""
+    loopback = store_host in ("localhost", "::1") or store_host.startswith("127.")
+    if environ.get("GLOO_SOCKET_IFNAME") or not loopback:
+        return ""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n == "lo"), next((n for n in names if n.startswith("lo")), ""))
+
+
 def init_process_group(rank: int, world_size: int, address: str, timeout_s: float = 300.0,
                        backend: str = "") -> ProcessGroup:
     """Joins the learner group whose TCP store (`serve_store`) listens at `address`
@@ -148,6 +162,10 @@ def init_process_group(rank: int, world_size: int, address: str, timeout_s: floa
     import torch.distributed as dist
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     host, port = address.rsplit(":", 1)
+    if backend == "gloo":
+        interface = gloo_interface(host, os.environ)
+        if interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     timeout = datetime.timedelta(seconds=timeout_s)
