@@ -191,14 +191,14 @@ run: venv warm-start
 	$(PY) programs/sao.py --task=arithmetic --init_checkpoint=$(WARM_START) --run_dir=$(RUN_DIR)
 
 # Everything the tests need, built on first use: the main venv, the warm start, the vLLM venv
-# (tests/test_vllm_engine.py runs a real CPU vLLM server), the TRL venv (tests/test_bench_trl.py)
-# and the converted SmolLM2 (tests/test_real_model.py; its accuracy is `make real-model`'s).
+# (tests/engines/test_vllm_engine.py runs a real CPU vLLM server), the TRL venv (tests/entry_points/test_bench_trl.py)
+# and the converted SmolLM2 (tests/models/test_real_model.py; its accuracy is `make real-model`'s).
 test: venv warm-start vllm-env trl-env real-model-dir
 	$(PY) -m pytest -q --timeout=600 tests
 
 # The fault-tolerance tests alone (kill -9 of actors and the learner, Ray, replay restarts).
 test-faults: venv warm-start
-	$(PY) -m pytest -q --timeout=600 tests/test_faults.py tests/test_ray.py tests/test_security.py
+	$(PY) -m pytest -q --timeout=600 tests/test_faults.py tests/launch/test_ray.py tests/variables/test_security.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info sao_actor_learner/protos_gen runs

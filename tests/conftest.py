@@ -10,6 +10,14 @@ for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tests mirror the package's folders; the fixture modules (tests/*_fixtures.py) and the test
+# modules other tests reuse (e.g. test_replay's rollouts) are imported by bare name from any of
+# them, and from the processes they spawn (multiprocessing hands sys.path on).
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _folder in sorted(os.listdir(_TESTS)):
+    if os.path.isdir(os.path.join(_TESTS, _folder)) and not _folder.startswith(("_", ".")):
+        sys.path.insert(0, os.path.join(_TESTS, _folder))
+sys.path.insert(0, _TESTS)
 DEFAULT_WARM_START = os.path.join(REPO, "checkpoints", "warm_start")
 
 

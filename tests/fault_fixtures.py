@@ -1,4 +1,4 @@
-"""Toy workers for tests/test_faults.py and tests/test_ray.py: module-level, picklable, light."""
+"""Toy workers for tests/test_faults.py and tests/launch/test_ray.py: module-level, picklable, light."""
 from __future__ import annotations
 
 import json

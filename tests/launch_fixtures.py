@@ -1,4 +1,4 @@
-"""Toy workers for tests/test_launch.py: module-level, picklable, importing nothing heavy."""
+"""Toy workers for tests/launch/test_launch.py: module-level, picklable, importing nothing heavy."""
 from __future__ import annotations
 
 import dataclasses

@@ -11,7 +11,7 @@ resolution). From it:
   mean_accuracy(curve, B)  the area under the step function over [0, B] divided by B: the
                            accuracy averaged over the budget (1.0 only if perfect from t=0)
 
-Pure functions; tests/test_bench_budget.py checks each against a slow grid version.
+Pure functions; tests/entry_points/test_bench_budget.py checks each against a slow grid version.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ It forwards the weight-sync contract (weight_sync_mode, offer_weights, weight_sy
 the engine it wraps, so logging does not turn interruptible weight sync off.
 
 `make_program_with_generate_log` is the SAO program with such actors (builder.make_program's
-actor_factory). The lock-step test (tests/test_lockstep.py) counts the rollouts each version
+actor_factory). The lock-step test (tests/entry_points/test_lockstep.py) counts the rollouts each version
 generated; the async-vs-sync benchmark (programs/benchmarks/async_vs_sync.py) takes the first
 call as its clock's zero and the time inside calls as the actors' busy time.
 """

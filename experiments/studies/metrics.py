@@ -1,6 +1,6 @@
 """Pure statistics of the reproduction study (programs/study.py, docs/REPRODUCTION.md).
 
-Standard library only. Each function has a slow, obvious twin in tests/test_study_metrics.py:
+Standard library only. Each function has a slow, obvious twin in tests/experiments/test_study_metrics.py:
 
 - `t_quantile`, `mean_ci`: the mean over seeds and its two-sided confidence interval from the
   Student t distribution with n - 1 degrees of freedom (`mean +- t * s / sqrt(n)`, `s` the

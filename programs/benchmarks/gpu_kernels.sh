@@ -6,7 +6,7 @@
 #
 # 1. a preflight import: the kernels package and the two references import with torch alone
 #    (no reverb, tensorflow or grpc) and Triton sees the GPU;
-# 2. tests/test_kernels.py on CUDA with compiled Triton kernels (TRITON_INTERPRET unset);
+# 2. tests/kernels/test_kernels.py on CUDA with compiled Triton kernels (TRITON_INTERPRET unset);
 # 3. programs/benchmarks/kernels.py, the full grid (N in {8k, 32k}, H in {2048, 4096},
 #    V=151936, bf16), JSON to $OUT/kernels.json.
 # Each step has its own time limit (about 9 minutes in all); a failing step does not stop the
@@ -40,7 +40,7 @@ print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_d
 EOF
 
 echo "== tests (CUDA, compiled Triton)"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels.py -rs \
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_kernels.py -rs \
     2>&1 | tee "$OUT/test_kernels.log" || status=1
 
 echo "== benchmark"

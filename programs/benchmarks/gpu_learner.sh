@@ -12,7 +12,7 @@
 #    tokens/s, peak memory, MFU against the H200's 989 TFLOP/s dense bf16;
 #    then packed vs padded micro-batches (micro_batch_layout) on the gsm_tiny length mix;
 # 3. the kernel benchmarks (programs/benchmarks/kernels.py, the full grid);
-# 4. the data-parallel path on NCCL with every visible GPU as a rank: tests/test_learner_group.py
+# 4. the data-parallel path on NCCL with every visible GPU as a rank: tests/learner/test_learner_group.py
 #    's equality of a 2-rank DDP / FSDP2 step with the single-process step (gloo there; NCCL
 #    here through LEARNER_GROUP_BACKEND=nccl), when two GPUs or more are visible.
 # Each step has its own time limit (about 9 minutes in all); a failing step does not stop the
@@ -60,7 +60,7 @@ timeout 180 "$PY" programs/benchmarks/kernels.py --out_json="$OUT/kernels.json" 
 if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     echo "== learner group on NCCL"
     LEARNER_GROUP_BACKEND=nccl timeout 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" \
-        tests/test_learner_group.py -k "equals_the_single_process" 2>&1 \
+        tests/learner/test_learner_group.py -k "equals_the_single_process" 2>&1 \
         | tee "$OUT/learner_group.log" || status=1
 else
     echo "== learner group on NCCL: skipped (one GPU visible)" | tee "$OUT/learner_group.log"

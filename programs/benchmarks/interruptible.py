@@ -35,7 +35,7 @@ median with min..max is reported. Ends with one JSON line.
 
   OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python programs/benchmarks/interruptible.py
 
-`--smoke` (tests/test_bench_interruptible.py): one repeat, 3 steps, short lengths, local_mt.
+`--smoke` (tests/entry_points/test_bench_interruptible.py): one repeat, 3 steps, short lengths, local_mt.
 """
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ JSON line of figures.
 
   OMP_NUM_THREADS=1 .venv/bin/python programs/benchmarks/weight_sync.py
 
-Smoke run (tests/test_bench_weight_sync.py): --sizes=300K,1M --repeats=2 --warmup=1.
+Smoke run (tests/entry_points/test_bench_weight_sync.py): --sizes=300K,1M --repeats=2 --warmup=1.
 """
 from __future__ import annotations
 

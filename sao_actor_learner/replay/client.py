@@ -177,7 +177,7 @@ def connect(client_or_address: Union[str, Any]) -> ReplayClient:
 
 
 # --- TableInfo, decoded without the TensorFlow-generated proto modules -----------------------
-# Field numbers of reverb/cc/schema.proto (tests/test_replay_client.py checks them against
+# Field numbers of reverb/cc/schema.proto (tests/replay/test_replay_client.py checks them against
 # Reverb's own decoding): TableInfo.name 8, max_size 3, rate_limiter_info 5, current_size 7;
 # RateLimiterInfo.samples_per_insert 1, max_diff 3, insert_stats 5; RateLimiterCallStats.completed 2.
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5

@@ -1,0 +1,70 @@
+"""The entry points: `python -m sao_actor_learner` (= `sao-train` = programs/sao.py) answers
+--help with its flags and exit 0, and refuses an invalid value before launching anything; the
+one study entry point (programs/study.py) refuses flags its preset would ignore."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments import sweep_presets
+from sao_actor_learner.__main__ import asks_for_help
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def python(*args):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO,
+                          env=ENV, timeout=120)
+
+
+def test_module_help_exits_0_and_names_the_flags():
+    proc = python("-m", "sao_actor_learner", "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for flag in ("--max_staleness", "--run_dir", "--num_actors", "--[no]progress", "--auth_token"):
+        assert flag in proc.stdout
+
+
+def test_invalid_value_fails_before_launch_with_a_clear_message(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = python("-m", "sao_actor_learner", "--num_actors=0", f"--run_dir={run_dir}")
+    assert proc.returncode == 1
+    assert "invalid configuration: num_actors=0: must be >= 1" in proc.stderr
+    assert not run_dir.exists()   # nothing launched, no run folder prepared
+
+
+def test_asks_for_help():
+    assert asks_for_help(["--help"]) and asks_for_help(["-h"]) and asks_for_help(["--helpfull"])
+    assert asks_for_help(["--task=arithmetic", "-helpshort"])
+    assert not asks_for_help(["--task=arithmetic"])
+    assert not asks_for_help(["--", "--help"])       # after "--": the program's arguments
+    assert not asks_for_help(["--helpers=3"])
+
+
+def test_refused_flags_per_preset():
+    staleness = sweep_presets.SWEEPS["staleness_sweep"]
+    shift = sweep_presets.SWEEPS["online_shift_sweep"]
+    vp = sweep_presets.SWEEPS["value_pretrain_sweep"]
+    assert sweep_presets.refused_flags(staleness, ["methods", "size", "seeds", "lr"]) == []
+    assert sweep_presets.refused_flags(staleness, ["workers", "window", "max_staleness"]) == [
+        "max_staleness", "window", "workers"]
+    assert sweep_presets.refused_flags(shift, ["task", "window", "max_staleness"]) == ["task"]
+    assert sweep_presets.refused_flags(vp, ["value_pretrain_rollouts", "shape"]) == [
+        "value_pretrain_rollouts"]
+    assert sweep_presets.refused_flags(None, ["size", "max_staleness", "workers", "seeds"]) == [
+        "max_staleness", "size"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset=staleness_sweep", "--workers=2"], "the staleness_sweep preset does not take "
+                                                  "--workers"),
+    (["--preset=asynchrony", "--methods=sao"], "a study does not take --methods"),
+    (["--preset=staleness_sweep,asynchrony"], "preset='staleness_sweep' is a sweep: it runs "
+                                              "alone"),
+])
+def test_study_refuses_what_its_preset_would_ignore(tmp_path, args, message):
+    proc = python(os.path.join("programs", "study.py"), f"--out_dir={tmp_path}", *args)
+    assert proc.returncode == 1
+    assert message in proc.stderr
+    assert os.listdir(tmp_path) == []
