@@ -17,8 +17,8 @@ experiments/soak_faults.py:
            restart it as after a crash; a process still stopped long after that fails the soak.
   drain    every --drain_every_s a stranger's Reverb client samples away every item in the table;
            the learner's loss detection (--replay_loss_timeout_s) must start a loss epoch so the
-           actors re-send them. Single learner only (replay/loss.py: a learner group's ranks share
-           the table, so no rank can tell another's fetch from a theft; docs/OPERATIONS.md).
+           actors re-send them (a learner group's ranks count their fetches together and rank 0
+           judges: replay/loss.py).
   resume   with --resume_at_step=N, once the learner has done N steps the whole program is
            stopped and launched again with --resume on the same run_dir (faults continue).
 
@@ -66,7 +66,7 @@ flags.DEFINE_list("kill_targets", ["replay", "actor", "learner", "evaluator", "v
 flags.DEFINE_list("faults", ["sigkill"], "Node fault kinds, drawn uniformly: sigkill (a crash), "
                   "sigstop (a hang, which the liveness check must end).")
 flags.DEFINE_float("drain_every_s", 0.0, "Mean seconds between drains of the replay table by "
-                   "a stranger's client (0: none; single learner only).")
+                   "a stranger's client (0: none).")
 flags.DEFINE_integer("max_drains", 0, "At most this many drains (0: no limit).")
 flags.DEFINE_integer("resume_at_step", 0, "Stop the whole program once the learner has done this "
                      "many steps and launch it again with --resume (0: never).")
@@ -97,9 +97,9 @@ def check_soak_flags(config: SAOConfig) -> None:
                  "every hang would stall the run for ever; set --node_timeout_s > 0")
     if FLAGS.drain_every_s < 0 or FLAGS.max_drains < 0:
         sys.exit("--drain_every_s and --max_drains must be >= 0")
-    if FLAGS.drain_every_s > 0 and (config.learners > 1 or not config.replay_loss_timeout_s > 0):
-        sys.exit("--drain_every_s needs the learner's replay loss detection: --learners=1 and "
-                 "--replay_loss_timeout_s > 0 (a group's ranks share the table: replay/loss.py)")
+    if FLAGS.drain_every_s > 0 and not config.replay_loss_timeout_s > 0:
+        sys.exit("--drain_every_s needs the learner's replay loss detection: "
+                 "--replay_loss_timeout_s > 0 (replay/loss.py)")
     if FLAGS.kill_every_s <= 0:
         sys.exit(f"--kill_every_s={FLAGS.kill_every_s}: must be > 0")
     if FLAGS.max_faults < 0:
@@ -187,11 +187,21 @@ def soak_report(config, faults, summaries, monitor, pauses, wall):
         for node, n in s.get("restarts", {}).items():
             restarts[node] = restarts.get(node, 0) + n
     stalls = monitor.stalls([tuple(p) for p in pauses if p[1] is not None])
-    for stall in stalls[:5]:
-        before = [f for f in done if f["time"] <= stall["start"] + stall["s"]
+    t_first = monitor.samples[0][0] if monitor.samples else 0.0
+    for stall in stalls:
+        inside = [f for f in done if f["time"] <= stall["start"] + stall["s"]
                   and f["time"] >= stall["start"] - 5]
-        stall["faults_in_it"] = [f"{f['fault']} {f['node']}" for f in before]
-        stall["start"] = round(stall["start"] - monitor.samples[0][0], 1)
+        stall["faults_in_it"] = [f"{f['fault']} {f['node']}" for f in inside]
+        stall["start"] = round(stall["start"] - t_first, 1)
+    # What one fault alone costs: stalls (over 2 s) with exactly one node fault in them, the
+    # longest per fault kind and node group (overlapping faults add up; these do not).
+    alone: dict = {}
+    for stall in stalls:
+        node_faults = [f for f in stall["faults_in_it"] if not f.startswith("drain")]
+        if stall["s"] > 2.0 and len(node_faults) == 1:
+            kind, node = node_faults[0].split(" ", 1)
+            key = f"{kind} {node.rsplit('_', 1)[0]}"
+            alone[key] = max(alone.get(key, 0.0), stall["s"])
     hang_costs = [f["ended_after_s"] for f in done if f["fault"] == "SIGSTOP" and
                   "ended_after_s" in f]
     return {
@@ -218,6 +228,7 @@ def soak_report(config, faults, summaries, monitor, pauses, wall):
         "restarts_total": sum(restarts.values()),
         "longest_stall_s": stalls[0]["s"] if stalls else None,
         "stalls_longest_5": stalls[:5],
+        "longest_stall_after_one_fault_s": dict(sorted(alone.items())),
         "eval_accuracy": {"initial": summaries[0].get("initial_eval_accuracy"),
                           "final": summaries[-1].get("final_eval_accuracy")},
         "rollouts": {

@@ -18,8 +18,10 @@ deadlock, a wedged driver call) would be waited for forever. With `node_timeout_
   process that stops running altogether (stopped, or a thread holding the GIL for longer
   than `node_timeout_s`, which no code of this project does) goes silent.
 - Silence counts from an instance's first heartbeat: the spawn before it (the interpreter
-  starting, the launcher's own code) is not watched, so a loaded machine's slow process start
-  never counts as a hang. Nor is what follows the worker's run(): the process then sets the
+  starting, the launcher's own code) gets `START_ALLOWANCE_S` on top, so a loaded machine's slow
+  process start never counts as a hang, and a process that stops before its first heartbeat
+  (SIGSTOP, a deadlock in start-up) is still killed, `START_ALLOWANCE_S + node_timeout_s` after
+  it was spawned. Nor is what follows the worker's run(): the process then sets the
   counter to `FINISHED` (`Heartbeat.finish`), because the interpreter's exit stops daemon
   threads and may take seconds (atexit hooks, extension teardown) in a node whose work is
   done. An instance the launcher asked to stop is not watched either (the stop sequence's
@@ -35,7 +37,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
-__all__ = ["FINISHED", "HUNG_PREFIX", "Heartbeat", "HeartbeatWatch", "heartbeat_interval",
+__all__ = ["FINISHED", "HUNG_PREFIX", "START_ALLOWANCE_S", "Heartbeat", "HeartbeatWatch", "heartbeat_interval",
            "hang_message", "start_heartbeat", "check_node_timeout"]
 
 # The error text of an instance the launcher killed for silence starts with this.
@@ -45,6 +47,9 @@ _BEATS_PER_TIMEOUT = 5
 _MAX_INTERVAL_S = 1.0
 # The counter's value once the worker's run() has ended: the launcher stops watching.
 FINISHED = 2 ** 64 - 1
+# Seconds a new instance may take to its first heartbeat before silence starts to count (its
+# interpreter starting and importing the launcher's node code: seconds, more on a loaded machine).
+START_ALLOWANCE_S = 60.0
 
 
 def check_node_timeout(node_timeout_s: float) -> float:
@@ -100,14 +105,16 @@ class HeartbeatWatch:
     """The launcher's view of one instance's heartbeat counter.
 
     `silent_for(value, now)` takes the counter's current value and a monotonic time and returns
-    how long the counter has not moved: 0 until the first heartbeat (value 0) and once the
-    process's run() has ended (FINISHED), else the seconds since the value last changed. Pure
-    bookkeeping: tests drive it with made-up times.
+    how long the counter has not moved: before the first heartbeat (value 0) the time since
+    `spawned` beyond `start_allowance_s` (0 within it); 0 once the process's run() has ended
+    (FINISHED); else the seconds since the value last changed. Pure bookkeeping: tests drive it
+    with made-up times.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, spawned: float, start_allowance_s: float = START_ALLOWANCE_S) -> None:
         self._value = 0
         self._changed: Optional[float] = None   # when the value last changed (None: no beat yet)
+        self._spawned, self._allowance = spawned, start_allowance_s
 
     def silent_for(self, value: int, now: float) -> float:
         if value == FINISHED:
@@ -115,5 +122,5 @@ class HeartbeatWatch:
         if value != self._value:
             self._value, self._changed = value, now
         if self._changed is None:
-            return 0.0
+            return max(0.0, now - self._spawned - self._allowance)
         return now - self._changed

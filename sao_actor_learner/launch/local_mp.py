@@ -48,7 +48,7 @@ class _Instance:
                  beats: Any = None) -> None:
         self.process, self.stop_conn, self.generation = process, stop_conn, generation
         self.beats = beats                  # the heartbeat counter (None: liveness is off)
-        self.watch = HeartbeatWatch()
+        self.watch = HeartbeatWatch(spawned=time.monotonic())
         self.stop_sent = False              # asked to stop: the stop sequence takes over
         self.hang: Optional[str] = None     # why the monitor killed it (liveness.py)
 

@@ -158,8 +158,8 @@ def check_values(cols: Mapping[str, np.ndarray], vocab_size: int, max_sequence_l
                  ) -> Optional[str]:
     """The REJECT_REASONS key of the first bad value of exact-dtype, 1-D, equal-length, non-empty,
     C-contiguous per-token columns, else None. A rollout is checked twice, by its actor and by
-    the learner, so this is on both hot paths: one C pass over the columns (replay/_itemfast.c,
-    ~2 us for 2k tokens) where it was built, else `check_values_numpy` (~25 us)."""
+    the learner, so this is on both hot paths: one C pass over the columns (replay/_itemfast.c)
+    where it was built, else `check_values_numpy` (slower: BENCHMARKS.md section 3)."""
     if cols["tokens"].shape[0] > max_sequence_length:
         return "too_long"
     if item.native is None:

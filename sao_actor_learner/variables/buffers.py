@@ -1,7 +1,7 @@
 """Receive buffers for payloads of up to gigabytes, reused once nothing references them.
 
-The first write to freshly allocated memory costs a page fault per 4 KiB page: on the
-development VM ~0.6 s per GB, several times the copy itself (a warm memcpy runs at ~15 GB/s).
+The first write to freshly allocated memory costs a page fault per 4 KiB page: several times
+the copy itself (docs/FACTS.md; BENCHMARKS.md section 4).
 Every new policy version has the same size, so the variable server and its clients keep the
 buffer of a version they dropped and assemble a later version into it, but only when nothing
 references it any more: no caller holds the bytes, and no memoryview, numpy array or tensor

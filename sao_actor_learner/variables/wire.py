@@ -10,8 +10,8 @@ field is framed or located by hand:
   accept fields in any order, so this is a valid message of the same type.
 - `split_data_field(raw)`: the message without its data field (parse it with protobuf: it is a
   few bytes) and a zero-copy view of the data. Malformed wire data raises `MalformedMessage`.
-- `crc32(data, value=0)`: zlib's CRC-32, from ISA-L when installed (~20 GB/s against zlib's ~5
-  on the development VM), the transit check of every weight payload; `parallel_crc32(data)`,
+- `crc32(data, value=0)`: zlib's CRC-32, from ISA-L when installed (several times zlib's speed:
+  BENCHMARKS.md section 4), the transit check of every weight payload; `parallel_crc32(data)`,
   the same value from two threads.
 
 No grpc or protobuf import here; see server.py / client.py for their use.
@@ -22,7 +22,7 @@ import os
 import threading
 from typing import List, Sequence, Tuple
 
-try:   # ISA-L (setup.py extra "fast"): the same CRC-32 values as zlib.crc32, ~4x faster
+try:   # ISA-L (setup.py extra "fast"): the same CRC-32 values as zlib.crc32, faster
     from isal.isal_zlib import crc32, crc32_combine
 except ImportError:  # pragma: no cover - depends on the environment
     from zlib import crc32
