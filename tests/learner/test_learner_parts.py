@@ -96,12 +96,8 @@ def test_without_a_publisher_nothing_is_sent_but_loss_epochs_count():
     assert progress.report() is None and progress.loss_epoch == 1 and calls == []
 
 
-class _Code:
-    name = "FAILED_PRECONDITION"
-
-
-class _Refused(RuntimeError):
-    code = _Code()
+class _Refused(core.VersionConflict):
+    """What the variable server's publisher raises for a version it holds (PublishConflictError)."""
 
 
 def test_a_resumed_learner_counts_a_diverged_republish_and_a_fresh_one_raises():
@@ -114,6 +110,9 @@ def test_a_resumed_learner_counts_a_diverged_republish_and_a_fresh_one_raises():
     assert progress.resume_publish_conflicts == 1
     with pytest.raises(_Refused):
         progress.publish(4, dict, dropped_total=0, resumed=False)
+    server.refuse = RuntimeError("the server is away")     # not a conflict: never swallowed
+    with pytest.raises(RuntimeError, match="away"):
+        progress.publish(4, dict, dropped_total=0, resumed=True)
     server.refuse = None
     progress.publish(5, dict, dropped_total=9, resumed=False)
     assert server.published == [(5, b"w", 9)]

@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 
+from sao_actor_learner import core
 from sao_actor_learner.protos_gen import variables_pb2, variables_pb2_grpc
 from sao_actor_learner.variables import (PUBLISHER_TOKEN_METADATA_KEY, PublishError,
                                          VariableClient, VariableClientError, VariablePublisher,
@@ -104,6 +105,7 @@ def test_version_ordering_and_not_found(server, stub):
         with pytest.raises(PublishError) as err:
             publisher.publish(stale, b"again")
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert isinstance(err.value, core.VersionConflict)   # what a resumed learner expects
         assert why in str(err.value)
     publisher.publish(5, b"v5")                              # gaps are fine
     with pytest.raises(ValueError):
