@@ -100,8 +100,12 @@ class FaultInjector:
         return len([f for f in self.faults if "skipped" not in f and f["fault"] != "drain"])
 
     def _nodes_main(self) -> None:
-        while not self._stop.wait(self.every_s * self.rng.uniform(0.5, 1.5)):
-            self._check_hangs()
+        due = time.monotonic() + self.every_s * self.rng.uniform(0.5, 1.5)
+        while not self._stop.wait(min(1.0, max(0.0, due - time.monotonic()))):
+            self._check_hangs()   # every second: a hang's end is timed to about a second
+            if time.monotonic() < due:
+                continue
+            due = time.monotonic() + self.every_s * self.rng.uniform(0.5, 1.5)
             if self._done() or (self.max_faults and self.node_faults() >= self.max_faults):
                 continue
             group = self.rng.choice(self.targets)
