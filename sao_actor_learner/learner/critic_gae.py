@@ -82,14 +82,8 @@ class CriticGAE(AdvantageEstimator):
     def values(self, batch: Batch) -> tuple:
         """(values aligned to token positions [B, T], value after each row's last token [B]),
         without gradient, micro-batch by micro-batch."""
-        raw = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
-        with torch.no_grad():
-            for rows in minibatches.micro_batch_groups(batch.lengths.tolist(),
-                                                       self.config.micro_batch_tokens,
-                                                       self.config.micro_batch_layout):
-                micro = minibatches.select_rows(batch, rows, trim=True)
-                raw[torch.as_tensor(rows, device=raw.device),
-                    :micro.tokens.shape[1]] = self._raw_values(micro)
+        raw = minibatches.per_token_no_grad(batch, self.config.micro_batch_tokens,
+                                            self.config.micro_batch_layout, self._raw_values)
         return aligned_values(raw, batch)
 
     def estimate(self, batch: Batch) -> Estimate:

@@ -18,7 +18,7 @@ first-fit decreasing) and each runs as one padding-free row (learner/packing.py)
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Sequence
+from typing import Callable, List, Sequence
 
 import numpy as np
 import torch
@@ -115,3 +115,17 @@ def select_rows(batch: Batch, rows: Sequence[int], trim: bool = False) -> Batch:
         else:  # the rollouts list
             fields[f.name] = [value[int(i)] for i in rows]
     return Batch(**fields)
+
+
+def per_token_no_grad(batch: Batch, budget: int, layout: str,
+                      per_token: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
+    """[B, T] float32: `per_token(micro)` ([b, t'] for each trimmed micro-batch of
+    `micro_batch_groups`) written back into the whole batch's rows, without gradient (the
+    policy's old log-probs, the critic's values)."""
+    out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
+    with torch.no_grad():
+        for rows in micro_batch_groups(batch.lengths.tolist(), budget, layout):
+            micro = select_rows(batch, rows, trim=True)
+            out[torch.as_tensor(rows, device=out.device), :micro.tokens.shape[1]] = \
+                per_token(micro)
+    return out

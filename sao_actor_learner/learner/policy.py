@@ -223,15 +223,8 @@ class PolicyTrainer:
 
     def logprobs_no_grad(self, batch: Batch) -> torch.Tensor:
         """[B, T] log-probs of the whole batch without gradient, micro-batch by micro-batch."""
-        out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
-        with torch.no_grad():
-            for rows in minibatches.micro_batch_groups(batch.lengths.tolist(),
-                                                       self.config.micro_batch_tokens,
-                                                       self.config.micro_batch_layout):
-                micro = minibatches.select_rows(batch, rows, trim=True)
-                out[torch.as_tensor(rows, device=out.device),
-                    :micro.tokens.shape[1]] = self.logprobs(micro)
-        return out
+        return minibatches.per_token_no_grad(batch, self.config.micro_batch_tokens,
+                                             self.config.micro_batch_layout, self.logprobs)
 
     # The step ---------------------------------------------------------------------------------
     def step(self, batch: Batch, advantages: torch.Tensor,
