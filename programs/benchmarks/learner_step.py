@@ -27,6 +27,12 @@ results/learner_step/gsm_tiny_lengths.json, the gsm_tiny warm start's rollouts),
 drawn with a fixed seed, instead of --seq_len for every rollout. tokens/s counts real tokens (no
 padding) in both layouts; the "ratios" printed last are packed over padded per cell.
 
+The learner step's exact savings (config logprob_positions=actions: the policy step's LM head
+reads only the hidden states that predict action tokens; critic_reuse_estimate_forward: the
+first of the K critic steps reuses the estimate's forward): --savings=off,on runs every cell
+without and with them; "savings_ratios" gives each part of the step (estimate, policy step,
+critic steps) both ways. Both give the same parameters (tests/learner/test_exact_savings.py).
+
 LoRA vs full fine-tuning of the policy (config lora_rank, models/lora.py): --lora_ranks=0,16
 runs every cell with full fine-tuning and rank-16 adapters (the architecture's default targets,
 alpha = 2 x rank; the critic stays a full copy of the base body). Each cell also reports the
@@ -90,6 +96,12 @@ flags.DEFINE_string("cell_layout", "padded", "internal: the layout of the --cell
 flags.DEFINE_list("lora_ranks", ["0"], "policy LoRA ranks to compare (models/lora.py; the "
                   "architecture's default targets, alpha = 2 x rank); 0: full fine-tuning")
 flags.DEFINE_integer("cell_lora_rank", 0, "internal: the LoRA rank of the --cell run")
+flags.DEFINE_list("savings", ["on"], "the learner step's exact savings (logprob_positions="
+                  "actions and critic_reuse_estimate_forward): on, off, or off,on to compare "
+                  "them in one run (savings_ratios)")
+flags.DEFINE_string("cell_savings", "on", "internal: the savings of the --cell run")
+flags.DEFINE_integer("top_ops", 0, "profile one more step of each cell with torch.profiler and "
+                     "report its N largest operators by self CPU time (0: no profile)")
 flags.DEFINE_integer("max_cell_s", 1800, "a cell running longer than this is reported as such")
 
 
@@ -122,7 +134,9 @@ def run_cell(size: str, micro: int, dtype: str) -> dict:
                        micro_batch_layout=FLAGS.cell_layout,
                        gradient_checkpointing=FLAGS.gradient_checkpointing,
                        max_sequence_length=max([FLAGS.seq_len] + [n for n, _ in shapes]) + 1,
-                       max_new_tokens=FLAGS.seq_len // 2)
+                       max_new_tokens=FLAGS.seq_len // 2,
+                       logprob_positions="actions" if FLAGS.cell_savings == "on" else "all",
+                       critic_reuse_estimate_forward=FLAGS.cell_savings == "on")
     critic = ValueModel.from_policy(policy)
     critic.freeze(config.critic_frozen_patterns)
     critic.to(device)
@@ -152,7 +166,7 @@ def run_cell(size: str, micro: int, dtype: str) -> dict:
         base = torch.cuda.memory_allocated()
     else:
         base = _rss_bytes()
-    times, policy_times = [], []
+    times, policy_times, parts = [], [], {"estimate_s": [], "critic_step_s": []}
     for i in range(FLAGS.steps + 1):
         t0 = time.perf_counter()
         stats = learner.update(batch)
@@ -161,17 +175,25 @@ def run_cell(size: str, micro: int, dtype: str) -> dict:
         if i:
             times.append(time.perf_counter() - t0)
             policy_times.append(stats["policy_step_s"])
+            for key in parts:
+                parts[key].append(stats[key])
+    top_ops = _profile_step(learner, batch, FLAGS.top_ops) if FLAGS.top_ops else []
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     step_s = statistics.median(times)
     tokens = sum(n for n, _ in shapes)   # real tokens: padding is not work done
-    # policy fwd+bwd (6NP), critic: one no-grad forward (2NP) + K fwd+bwd (6NP each).
-    flops = 6 * params * tokens + (2 + 6 * config.critic_updates) * critic_params * tokens
+    # policy fwd+bwd (6NP), critic: one no-grad forward (2NP, none when the first critic step
+    # reuses it) + K fwd+bwd (6NP each).
+    estimate_flops = 0 if config.critic_reuse_estimate_forward else 2
+    flops = 6 * params * tokens + (estimate_flops + 6 * config.critic_updates) * \
+        critic_params * tokens
     out = {"size": size, "micro_batch_tokens": micro, "dtype": dtype, "device": FLAGS.device,
            "params": params, "critic_params": critic_params, "batch": FLAGS.batch,
            "seq_len": L, "step_s": step_s, "tokens_per_s": tokens / step_s,
            "layout": FLAGS.cell_layout, "tokens": tokens,
            "lora_rank": FLAGS.cell_lora_rank, "policy_step_s": statistics.median(policy_times),
+           **{key: statistics.median(v) for key, v in parts.items()},
+           "savings": FLAGS.cell_savings, "top_ops": top_ops,
            "trainable_params": sum(p.numel() for p in policy.parameters() if p.requires_grad),
            "padded_tokens": len(shapes) * max(n for n, _ in shapes),
            "lengths_file": FLAGS.lengths_file,
@@ -181,6 +203,19 @@ def run_cell(size: str, micro: int, dtype: str) -> dict:
     if device.type == "cuda":
         out["mfu"] = flops / step_s / (FLAGS.peak_tflops * 1e12)
     return out
+
+
+def _profile_step(learner, batch, n: int) -> list:
+    """One more learner step under torch.profiler: its n largest operators by self CPU time
+    (name, calls, self seconds, share of the step's self time)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        learner.update(batch)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:n]
+    return [{"op": e.key, "calls": e.count, "self_s": round(e.self_cpu_time_total / 1e6, 4),
+             "share": round(e.self_cpu_time_total / total, 4)} for e in top]
 
 
 def _rollout_shapes() -> list:
@@ -242,6 +277,29 @@ def _lora_ratios(cells: list) -> list:
     return out
 
 
+def _savings_ratios(cells: list) -> list:
+    """The step with the exact savings over the step without, per cell measured both ways."""
+    by_key = {}
+    for c in cells:
+        if "error" not in c:
+            by_key.setdefault((c["size"], c["micro_batch_tokens"], c["dtype"], c["layout"],
+                               c.get("lora_rank", 0)), {})[c.get("savings", "on")] = c
+    out = []
+    for (size, micro, dtype, layout, rank), pair in by_key.items():
+        if {"off", "on"} <= set(pair):
+            off, on = pair["off"], pair["on"]
+            out.append({"size": size, "micro_batch_tokens": micro, "dtype": dtype,
+                        "layout": layout, "lora_rank": rank,
+                        **{f"{k}_off": off[k] for k in ("step_s", "estimate_s", "policy_step_s",
+                                                        "critic_step_s")},
+                        **{f"{k}_on": on[k] for k in ("step_s", "estimate_s", "policy_step_s",
+                                                      "critic_step_s")},
+                        "step_s_on_over_off": on["step_s"] / off["step_s"],
+                        "peak_above_model_mib_off": off["peak_above_model_mib"],
+                        "peak_above_model_mib_on": on["peak_above_model_mib"]})
+    return out
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -256,7 +314,7 @@ def main(argv):
     cells = []
     print(f"{'size':<11} {'params':>11} {'micro':>6} {'dtype':>9} {'s/step':>8} "
           f"{'tokens/s':>9} {'peak above model MiB':>21} {'model MiB':>10} {'layout':>7} "
-          f"{'lora':>4}")
+          f"{'lora':>4} {'savings':>7}")
     for size in FLAGS.sizes:
         if size not in SIZES and size not in MODEL_DIRS:
             raise SystemExit(f"--sizes: unknown {size!r}; choose from "
@@ -264,12 +322,13 @@ def main(argv):
         if size in MODEL_DIRS and not os.path.isdir(MODEL_DIRS[size]):
             raise SystemExit(f"--sizes={size}: {MODEL_DIRS[size]} is missing: run `make "
                              "real-model` first")
-        for micro, layout, rank in [(m, la, int(r)) for m in FLAGS.micro_batch_tokens
-                                    for la in FLAGS.layouts for r in FLAGS.lora_ranks]:
+        for micro, layout, rank, saving in [(m, la, int(r), sv) for m in FLAGS.micro_batch_tokens
+                                            for la in FLAGS.layouts for r in FLAGS.lora_ranks
+                                            for sv in FLAGS.savings]:
             for dtype in FLAGS.dtypes:
                 args = [sys.executable, os.path.abspath(__file__),
                         f"--cell={size},{int(micro)},{dtype}", f"--cell_layout={layout}",
-                        f"--cell_lora_rank={rank}"] + \
+                        f"--cell_lora_rank={rank}", f"--cell_savings={saving}"] + \
                     [a for a in sys.argv[1:] if not a.startswith("--cell")]
                 try:
                     proc = subprocess.run(args, capture_output=True, text=True, cwd=REPO,
@@ -279,13 +338,13 @@ def main(argv):
                 except subprocess.TimeoutExpired:
                     cells.append({"size": size, "micro_batch_tokens": int(micro),
                                   "dtype": dtype, "layout": layout, "lora_rank": rank,
-                                  "error": f"over {FLAGS.max_cell_s} s"})
+                                  "savings": saving, "error": f"over {FLAGS.max_cell_s} s"})
                     continue
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
                 if proc.returncode or not lines:
                     cells.append({"size": size, "micro_batch_tokens": int(micro),
                                   "dtype": dtype, "layout": layout, "lora_rank": rank,
-                                  "error": proc.stderr.strip()[-300:]})
+                                  "savings": saving, "error": proc.stderr.strip()[-300:]})
                     print(f"{size:<11} failed: {proc.stderr.strip()[-200:]}")
                     continue
                 c = json.loads(lines[-1])
@@ -293,8 +352,17 @@ def main(argv):
                 print(f"{size:<11} {c['params']:>11,} {c['micro_batch_tokens']:>6} "
                       f"{c['dtype']:>9} {c['step_s']:>8.3f} {c['tokens_per_s']:>9.0f} "
                       f"{c['peak_above_model_mib']:>21.1f} {c['model_mib']:>10.1f}"
-                      f" {c['layout']:>7} {c['lora_rank']:>4}")
+                      f" {c['layout']:>7} {c['lora_rank']:>4} {c['savings']:>7}")
     ratios = _ratios(cells)
+    savings = _savings_ratios(cells)
+    for r in savings:
+        print(f"savings on/off {r['size']} micro {r['micro_batch_tokens']} {r['dtype']} "
+              f"{r['layout']}: step {r['step_s_off']:.3f} -> {r['step_s_on']:.3f} s "
+              f"(x{r['step_s_on_over_off']:.2f}); estimate {r['estimate_s_off']:.3f} -> "
+              f"{r['estimate_s_on']:.3f}, policy {r['policy_step_s_off']:.3f} -> "
+              f"{r['policy_step_s_on']:.3f}, critic {r['critic_step_s_off']:.3f} -> "
+              f"{r['critic_step_s_on']:.3f}; peak above model "
+              f"{r['peak_above_model_mib_off']:.0f} -> {r['peak_above_model_mib_on']:.0f} MiB")
     lora_ratios = _lora_ratios(cells)
     for r in lora_ratios:
         print(f"lora {r['lora_rank']} / full, {r['size']} micro {r['micro_batch_tokens']} "
@@ -309,7 +377,7 @@ def main(argv):
     print(json.dumps({"benchmark": "learner_step", "device": FLAGS.device,
                       "batch": FLAGS.batch, "seq_len": FLAGS.seq_len, "threads": FLAGS.threads,
                       "lengths_file": FLAGS.lengths_file, "cells": cells, "ratios": ratios,
-                      "lora_ratios": lora_ratios}))
+                      "lora_ratios": lora_ratios, "savings_ratios": savings}))
 
 
 if __name__ == "__main__":

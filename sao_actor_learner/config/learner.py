@@ -16,6 +16,7 @@ from sao_actor_learner.learner import registry
 
 # learner/packing.LAYOUTS (config/ imports no torch).
 MICRO_BATCH_LAYOUTS = ("padded", "packed")
+LOGPROB_POSITIONS = ("actions", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,11 @@ class LearnerConfig(Section):
                          "state, trained with the policy loss; not SAO's critic).")
     value_loss_coef: float = option(0.5, "critic=shared_trunk: the value loss's weight against "
                                     "the policy loss in the joint loss the shared trunk learns.")
+    critic_reuse_estimate_forward: bool = option(
+        True, "The first of the K critic steps reuses the estimate's forward (run with "
+        "gradient, kept through the policy step) instead of computing the same values again: "
+        "exact, one critic forward fewer per step; only when the whole batch is one forward "
+        "(micro_batch_tokens=0) and critic_minibatches=1 (the kept activations cost memory).")
     critic_frozen_patterns: Tuple[str, ...] = option(
         ("self_attn", "embed_tokens", "norm"), "Regexes of critic parameters kept frozen "
         "(attention, embeddings and norms); each must match some parameter.")
@@ -146,6 +152,11 @@ class LearnerConfig(Section):
                                  "triton or torch.")
     fused_logprobs: bool = option(True, "Log-probs from hidden states and the LM head without "
                                   "materialising [N, V] logits.")
+    logprob_positions: str = option(
+        "actions", "actions: the policy step's LM head reads only the hidden states that "
+        "predict action tokens (its loss and statistics use no other position: exact, and "
+        "prompt and tool-observation positions cost no LM head); all: every position (as "
+        "before; for comparison).")
     token_entropy: bool = option(True, "Log token_entropy_mean, the entropy of the current "
                                  "policy's sampling distribution at the action tokens, computed "
                                  "in the policy step's own forward (one more sum per logit).")
@@ -181,7 +192,8 @@ class LearnerConfig(Section):
                                                                      CRITIC_FREE_BASELINES),
                                ("dtype", DTYPES), ("learner_strategy", LEARNER_STRATEGIES),
                                ("critic", CRITICS),
-                               ("micro_batch_layout", MICRO_BATCH_LAYOUTS)):
+                               ("micro_batch_layout", MICRO_BATCH_LAYOUTS),
+                               ("logprob_positions", LOGPROB_POSITIONS)):
             choice(self, field, options, fail)
         at_least(self, ("critic_updates", "critic_minibatches", "learners", "policy_minibatches"), 1,
                  fail)

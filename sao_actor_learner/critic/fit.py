@@ -109,7 +109,8 @@ def heldout_metrics(estimator, rollouts: Sequence[Rollout], pad_id: int,
     sums = np.zeros(5)   # n, sum r, sum r^2, sum (r - v), sum (r - v)^2
     for i in range(0, len(rollouts), chunk):
         batch = collate(rollouts[i:i + chunk], pad_id).to(estimator.device)
-        estimate = estimator.estimate(batch)
+        with torch.no_grad():
+            estimate = estimator.estimate(batch)
         m = batch.action_mask.bool()
         r = estimate.returns[m].double()
         e = r - estimate.values[m].double()
@@ -188,11 +189,13 @@ def fit(estimator, train: Sequence[Rollout], heldout: Sequence[Rollout],
                 break
             rows = [train[i] for i in order[k * per_rank:(k + 1) * per_rank]]
             batch = collate(rows, pad_id).to(estimator.device)
-            estimate = estimator.estimate(batch)
             estimator.critic.train()
+            estimate = estimator.estimate(batch)
             scratch = torch.zeros(batch.tokens.shape, dtype=torch.float32,
                                   device=batch.tokens.device)
-            estimator.optimizer_step(batch, estimate, np.arange(batch.size), scratch)
+            # The estimate's forward when it kept one (CriticGAE.estimate): the same values.
+            estimator.optimizer_step(batch, estimate, np.arange(batch.size), scratch,
+                                     *(estimate.forward_cache or ()))
             step += 1
             if settings.eval_every and step % settings.eval_every == 0:
                 if evaluate(epoch + (k + 1) / steps_per_epoch):

@@ -87,7 +87,27 @@ class CriticGAE(AdvantageEstimator):
         return aligned_values(raw, batch)
 
     def estimate(self, batch: Batch) -> Estimate:
-        return self._estimate_from(batch, *self.values(batch))
+        """The advantages from the critic's values. When the first critic step can reuse it
+        (`_keeps_forward`), the forward runs with gradient and is kept in the estimate's
+        forward_cache (config critic_reuse_estimate_forward); the values are the same."""
+        if not self._keeps_forward(batch):
+            return self._estimate_from(batch, *self.values(batch))
+        micro = minibatches.select_rows(batch, np.arange(batch.size), trim=True)
+        raw = self._raw_values(micro)
+        full = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=raw.device)
+        full[:, :raw.shape[1]] = raw.detach()
+        estimate = self._estimate_from(batch, *aligned_values(full, batch))
+        estimate.forward_cache = (raw,)
+        return estimate
+
+    def _keeps_forward(self, batch: Batch) -> bool:
+        """Whether the estimate's forward is the first critic step's own: the whole batch is
+        one forward (micro_batch_tokens=0) in one slice (critic_minibatches=1), with gradient,
+        in training mode (as update runs it)."""
+        cfg = self.config
+        return (cfg.critic_reuse_estimate_forward and cfg.micro_batch_tokens == 0 and
+                cfg.critic_minibatches == 1 and torch.is_grad_enabled() and
+                self.critic.training and batch.size > 0)
 
     def _estimate_from(self, batch: Batch, values: torch.Tensor, last: torch.Tensor
                        ) -> Estimate:
@@ -122,9 +142,12 @@ class CriticGAE(AdvantageEstimator):
                                   device=batch.tokens.device)
         norm = 0.0
         slices = minibatches.row_splits(batch.size, min(cfg.critic_minibatches, batch.size))
+        kept, estimate.forward_cache = estimate.forward_cache, None   # used once
         for _ in range(cfg.critic_updates):
             for rows in slices:
-                norm = self.optimizer_step(batch, estimate, rows, last_values)
+                norm = self.optimizer_step(batch, estimate, rows, last_values,
+                                           kept[0] if kept else None)
+                kept = None
         t = gather_rows(self.collective, {"values": estimate.values, "returns": estimate.returns,
                                           "last": last_values, "mask": mask.float()})
         _, first = losses.value_loss(t["values"], t["returns"], t["mask"])
@@ -135,23 +158,29 @@ class CriticGAE(AdvantageEstimator):
                 "critic_nonfinite_skipped": self.nonfinite_skipped,
                 "critic_optimizer_steps": cfg.critic_updates * len(slices)}
 
-    def optimizer_step(self, batch: Batch, estimate: Estimate, rows, recomputed: torch.Tensor
-                       ) -> float:
+    def optimizer_step(self, batch: Batch, estimate: Estimate, rows, recomputed: torch.Tensor,
+                       kept_raw: torch.Tensor = None) -> float:
         """One critic optimizer step on the batch rows `rows` (every rank its own rows; the
         loss divided by the group's action tokens in them), micro-batched by token budget;
-        writes the values it computed into `recomputed` [B, T]; returns the gradient norm."""
+        writes the values it computed into `recomputed` [B, T]; returns the gradient norm.
+        `kept_raw`: the estimate's forward of exactly these rows as one micro-batch (raw
+        values with gradient, `estimate`), used instead of running it again."""
         rows = np.asarray(rows, dtype=np.int64)
         n_actions = self.collective.sum([float(batch.action_mask[torch.as_tensor(rows)].sum())])[0]
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
         lengths = batch.lengths[torch.as_tensor(rows)].tolist()
-        for group in minibatches.micro_batch_groups(lengths, self.config.micro_batch_tokens,
-                                                    self.config.micro_batch_layout):
+        groups = minibatches.micro_batch_groups(lengths, self.config.micro_batch_tokens,
+                                                self.config.micro_batch_layout)
+        if kept_raw is not None and (len(groups) != 1 or len(rows) != batch.size):
+            raise ValueError("a kept critic forward covers the whole batch in one micro-batch; "
+                             f"this step has {len(groups)} micro-batches of {len(rows)} rows")
+        for group in groups:
             micro = minibatches.select_rows(batch, rows[group], trim=True)
             width = micro.tokens.shape[1]
             r = torch.as_tensor(rows[group], device=batch.tokens.device)
-            loss, values = self.micro_value_loss(self._raw_values(micro), r, micro.action_mask,
-                                                 estimate, n_actions)
+            raw = self._raw_values(micro) if kept_raw is None else kept_raw
+            loss, values = self.micro_value_loss(raw, r, micro.action_mask, estimate, n_actions)
             loss.backward()
             loss_total += float(loss.detach())
             recomputed[r, :width] = values.detach()

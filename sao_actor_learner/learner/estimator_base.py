@@ -33,7 +33,9 @@ class Estimate:
     values: Optional[torch.Tensor] = None
     baseline: Optional[torch.Tensor] = None
     joint: Optional[object] = None   # the joint loss the policy step trained (shared trunk)
-    forward_cache: Optional[tuple] = None   # shared trunk, one pass: (logp, hidden, entropy)
+    # A forward with gradient the step's update may use instead of running it again, once:
+    # shared trunk, one pass: (logp, hidden, entropy); separate critic: (raw values [B, w],).
+    forward_cache: Optional[tuple] = None
 
 
 class AdvantageEstimator(abc.ABC):

@@ -156,15 +156,20 @@ class PolicyTrainer:
         head) read it."""
         return self._forward(batch, entropy=False)[:2]
 
-    def forward_and_entropy(self, batch: Batch, with_hidden: bool = True):
+    def forward_and_entropy(self, batch: Batch, with_hidden: bool = True,
+                            actions_only: bool = False):
         """`forward`'s (log-probs, hidden) and the entropy [B, T] (float32, no gradient, 0 at
         position 0) of the sampling distribution at each position, computed with the log-probs
         (fused: inside the kernel; top_p < 1: from the rows of logits held anyway); None when
         config.token_entropy is off. `with_hidden=False` may return None for the hidden state
-        (packed micro-batches then skip putting it back into the padded layout)."""
-        return self._forward(batch, entropy=self.config.token_entropy, with_hidden=with_hidden)
+        (packed micro-batches then skip putting it back into the padded layout).
+        `actions_only`: log-probs and entropies at action tokens only, 0 elsewhere (the LM
+        head reads only the hidden states that predict them; config logprob_positions)."""
+        return self._forward(batch, entropy=self.config.token_entropy, with_hidden=with_hidden,
+                             actions_only=actions_only)
 
-    def _forward(self, batch: Batch, entropy: bool, with_hidden: bool = True):
+    def _forward(self, batch: Batch, entropy: bool, with_hidden: bool = True,
+                 actions_only: bool = False):
         cfg = self.config
         packed = packing.maybe_pack(batch, cfg.micro_batch_layout)   # None: padded rows
         with autocast(cfg.dtype, self.device):
@@ -178,17 +183,26 @@ class PolicyTrainer:
             else:
                 tokens = packed.tokens
                 hidden = packing.packed_hidden(body, packed)
-            targets = tokens[:, 1:]
+            at = batch.action_mask[:, 1:].bool().nonzero(as_tuple=True) if actions_only \
+                else None
+            if at is not None and at[0].numel():   # (rows, positions - 1) of the actions
+                if packed is not None:
+                    hidden, packed = packed.unpack(hidden), None
+                h, targets = hidden[:, :-1][at][None], batch.tokens[:, 1:][at][None]
+            else:
+                at, h, targets = None, hidden[:, :-1], tokens[:, 1:]
             if cfg.fused_logprobs and getattr(head, "bias", None) is None and self.top_p >= 1.0:
-                h = hidden[:, :-1]
                 w = weight.to(h.dtype) if cfg.kernel_backend != "torch" else weight
                 out = kernels.fused_logprobs(h, w, targets, temperature=self.temperature,
                                              return_entropy=entropy, backend=cfg.kernel_backend)
                 picked, ent = out if entropy else (out, None)
                 picked = picked.float()
             else:
-                picked, ent = self._nucleus_logprobs(hidden[:, :-1], head, weight, targets,
-                                                     entropy)
+                picked, ent = self._nucleus_logprobs(h, head, weight, targets, entropy)
+        if at is not None:   # back to [b, w - 1], 0 off the actions
+            b, w = batch.tokens.shape
+            picked = picked.new_zeros(b, w - 1).index_put(at, picked[0])
+            ent = None if ent is None else ent.new_zeros(b, w - 1).index_put(at, ent[0])
         logp = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
         if ent is not None:
             ent = ent.detach().float()
@@ -283,7 +297,8 @@ class PolicyTrainer:
             m = torch.as_tensor(micro_rows, device=mb.tokens.device)
             cached = None if joint is None else joint.cached_forward(rows_t[m], micro)
             logp, hidden, *rest = cached if cached is not None else \
-                self.forward_and_entropy(micro, with_hidden=joint is not None)
+                self.forward_and_entropy(micro, with_hidden=joint is not None,
+                                         actions_only=cfg.logprob_positions == "actions")
             entropy = rest[0] if rest else None
             loss, s = self._loss(micro, logp, adv[m, :width],
                                  None if old is None else old[m, :width], n_actions)

@@ -83,6 +83,11 @@ class SharedTrunkGAE(CriticGAE):
         estimate.forward_cache = (logp, hidden, entropy)
         return estimate
 
+    def _keeps_forward(self, batch: Batch) -> bool:
+        """Never CriticGAE's kept critic forward: the trunk's one-pass forward (`estimate`)
+        is this estimator's reuse, and its forward_cache holds that."""
+        return False
+
     def head_values(self, hidden: torch.Tensor) -> torch.Tensor:
         """[b, w] float32 raw values of the head on the trunk's hidden state [b, w, H]."""
         with autocast(self.config.dtype, hidden.device):
