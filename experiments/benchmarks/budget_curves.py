@@ -10,6 +10,9 @@ resolution). From it:
   time_to(curve, a)        the first time the step function reaches a (None: never)
   mean_accuracy(curve, B)  the area under the step function over [0, B] divided by B: the
                            accuracy averaged over the budget (1.0 only if perfect from t=0)
+  held_time_to(curve, a)   the first time from which the accuracy stays >= a for `hold`
+                           evaluations in a row (or to the budget's end): a crossing that one
+                           lucky evaluation makes does not count
 
 Pure functions; tests/entry_points/test_bench_budget.py checks each against a slow grid version.
 """
@@ -20,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 Curve = List[Tuple[float, float]]
 
-__all__ = ["accuracy_at", "time_to", "mean_accuracy", "curve_metrics", "spread",
+__all__ = ["accuracy_at", "time_to", "held_time_to", "mean_accuracy", "curve_metrics", "spread",
            "aggregate_runs", "median_curve"]
 
 
@@ -49,6 +52,19 @@ def time_to(curve: Sequence[Tuple[float, float]], threshold: float,
     return None
 
 
+def held_time_to(curve: Sequence[Tuple[float, float]], threshold: float,
+                 budget_s: Optional[float] = None, hold: int = 3) -> Optional[float]:
+    """The first point's time from which this point and the next hold - 1 points (those within
+    the budget; fewer where the budget ends first) all have accuracy >= threshold, or None."""
+    if hold < 1:
+        raise ValueError(f"hold={hold}: must be >= 1")
+    points = [(t, a) for t, a in _sorted(curve) if budget_s is None or t <= budget_s]
+    for i, (ti, _) in enumerate(points):
+        if all(a >= threshold for _, a in points[i:i + hold]):
+            return ti
+    return None
+
+
 def mean_accuracy(curve: Sequence[Tuple[float, float]], budget_s: float) -> float:
     """Area under the step function over [0, budget_s] / budget_s (0 before the first point)."""
     if budget_s <= 0:
@@ -62,11 +78,12 @@ def mean_accuracy(curve: Sequence[Tuple[float, float]], budget_s: float) -> floa
 def curve_metrics(curve: Sequence[Tuple[float, float]], budget_s: float,
                   report_at: Sequence[float], thresholds: Sequence[float]) -> Dict:
     """One run's figures: accuracy at each report time, the budget-mean accuracy, the time to
-    each threshold (None: not within the budget)."""
+    each threshold and the time to holding it (None: not within the budget)."""
     return {
         **{f"accuracy_at_{t:g}s": accuracy_at(curve, t) for t in report_at},
         "mean_accuracy": round(mean_accuracy(curve, budget_s), 4),
         **{f"time_to_{a:g}_s": time_to(curve, a, budget_s) for a in thresholds},
+        **{f"held_time_to_{a:g}_s": held_time_to(curve, a, budget_s) for a in thresholds},
     }
 
 

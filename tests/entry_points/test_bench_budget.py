@@ -53,6 +53,34 @@ def test_accuracy_at_time_to_and_mean_match_slow_grid_versions():
             assert bc.time_to(curve, a, budget) == (min(hits) if hits else None)
 
 
+def _slow_held(curve, a, budget, hold):
+    points = sorted(p for p in curve if p[0] <= budget)
+    for i in range(len(points)):
+        window = points[i:i + hold]             # fewer where the budget ends first
+        if min(acc for _, acc in window) >= a:
+            return points[i][0]
+    return None
+
+
+def test_held_time_to_matches_a_slow_version_and_ignores_a_lucky_evaluation():
+    rng = random.Random(1)
+    for _ in range(50):
+        curve = _random_curve(rng, 10.0)
+        rng.shuffle(curve)
+        for a in (0.2, 0.5, 0.9):
+            for hold in (1, 2, 3):
+                assert bc.held_time_to(curve, a, 10.0, hold) == _slow_held(curve, a, 10.0, hold)
+        assert bc.held_time_to(curve, 0.5, 10.0, 1) == bc.time_to(curve, 0.5, 10.0)
+    spike = [(0.0, 0.4), (5.0, 0.75), (10.0, 0.5), (15.0, 0.55), (20.0, 0.62), (25.0, 0.61),
+             (30.0, 0.7)]
+    assert bc.time_to(spike, 0.6) == 5.0
+    assert bc.held_time_to(spike, 0.6, hold=3) == 20.0
+    assert bc.held_time_to(spike, 0.6, budget_s=26.0, hold=3) == 20.0   # the budget ends it
+    assert bc.held_time_to(spike, 0.8, hold=3) is None
+    with pytest.raises(ValueError, match="hold"):
+        bc.held_time_to(spike, 0.6, hold=0)
+
+
 def test_mean_accuracy_edges():
     assert bc.mean_accuracy([(0.0, 0.5)], 10.0) == 0.5
     assert bc.mean_accuracy([(0.0, 0.0), (5.0, 1.0)], 10.0) == 0.5
@@ -95,12 +123,31 @@ def test_summary_targets_and_staleness_table_of_synthetic_runs():
     t = result["targets"]
     assert t["accuracy_at_300s_ge_trl"] == {"met": True, "by": 0.04}
     assert t["time_to_0.6_le_half_trl"] == {"met": True, "ratio": None}   # TRL: median not reached
+    assert s["sao_disaggregated"]["held_time_to_0.6_s"]["median"] == 125.0
+    assert t["held_time_to_0.6_le_half_trl"] == {"met": True, "ratio": None}
     text = vb.table_text(result)
     assert "accuracy_at_600s" in text and "not reached" in text and "target" in text
     rows = vb.sweep_rows({"lockstep": sao[0], "2": _run(sao[0]["curve"], 7.0)}, 600.0, 0.6)
     assert [r["setting"] for r in rows] == ["lockstep", "2"]
     assert [r["throughput_vs_lockstep"] for r in rows] == [1.0, 1.75]
     assert rows[0]["time_to_0.6_s"] == 100.0 and rows[0]["accuracy_at_budget"] == 0.7
+
+
+def test_resummarize_recomputes_a_stored_result_with_other_thresholds(tmp_path):
+    trl = [_run([(0.0, 0.4), (200.0, 0.55), (500.0, 0.62)], 2.0)]
+    sao = [_run([(0.0, 0.4), (100.0, 0.6), (400.0, 0.7)], 4.0)]
+    stored = {"budget_s": 600.0, "runs": {"trl": trl, "sao_disaggregated": sao},
+              "sweep_runs": {"lockstep": sao[0]}, "summary": {}, "targets": {}}
+    path = tmp_path / "budget.json"
+    path.write_text(json.dumps(stored))
+    result = vb.resummarize(str(path), [300.0], [0.5, 0.7], 0.7)
+    again = json.loads(path.read_text())
+    assert again["summary"] == result["summary"]
+    assert again["runs"] == json.loads(json.dumps(stored["runs"]))   # the runs as they were
+    assert again["summary"]["trl"]["time_to_0.5_s"]["median"] == 200.0
+    assert again["summary"]["sao_disaggregated"]["held_time_to_0.7_s"]["median"] == 400.0
+    assert again["staleness_sweep"][0]["time_to_0.7_s"] == 400.0
+    assert (tmp_path / "budget.png").stat().st_size > 0
 
 
 def test_budget_mode_smoke_prints_a_table_a_plot_and_one_json_line(warm_start, tmp_path):
