@@ -149,7 +149,8 @@ class ReplayConfig(Section):
                                           "deleted by another client, a reset) start a loss "
                                           "epoch: actors re-send them; one learner only; 0: off.")
     reverb_without_tensorflow: bool = option(True, "launch=local_mp: nodes load Reverb's C++ "
-                                             "client without the TensorFlow Python module "
+                                             "client (and the replay node its server) without "
+                                             "the TensorFlow Python module "
                                              "(replay/client.py; ~0.3 s and ~60 MB instead of "
                                              "~3 s and ~500 MB per process).")
 

@@ -6,9 +6,10 @@ needs none of it: Reverb's C++ extension `reverb/libpybind.so` links only Tensor
 framework library, not its Python module. A process started with `lite_env()` in its environment
 (the dynamic loader then finds `libtensorflow_framework.so.2` and Reverb's proto libraries, which
 must be known before the interpreter starts) loads that extension alone, in ~0.3 s at ~60 MB
-(`programs/benchmarks/memory.py`). Every other process (tests, the replay node, `local_mt`) gets
-the same C++ classes through `import reverb`. A process must not do both: the extension's types
-register once per process, so with `lite_env()` set nothing may `import reverb` afterwards.
+(`programs/benchmarks/memory.py`); the replay node builds its server from it the same way
+(replay/tables.py). Every other process (tests, `local_mt`, Ray) gets the same C++ classes
+through `import reverb`. A process must not do both: the extension's types register once per
+process, so with `lite_env()` set nothing may `import reverb` afterwards.
 
 `ReplayClient` is what replay/writer.py and replay/reader.py use: the table's size and capacity
 from one ServerInfo round trip (the protos decoded here, without the TensorFlow-generated
@@ -77,7 +78,8 @@ def lite_active() -> bool:
 
 
 def pybind() -> Any:
-    """Reverb's C++ extension module (the classes Client, TrajectoryWriter, Sampler, ...)."""
+    """Reverb's C++ extension module (the classes Client, TrajectoryWriter, Sampler, ...; Table,
+    RateLimiter and Server for replay/tables.py)."""
     global _pybind
     if _pybind is None:
         if lite_active():

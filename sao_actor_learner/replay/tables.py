@@ -9,11 +9,18 @@ An item is one rollout, packed into a single uint8 column (replay/item.py: a hea
 scalars and the true length, the per-token columns, the signature); the writer pads it to a
 length bucket (see writer.py for why), the reader reads the header's length.
 
-Reverb imports TensorFlow (~2.6 s, ~450 MB): this module imports it only inside the functions that
-need it, so `import sao_actor_learner.replay` stays cheap.
+Reverb's Python package imports TensorFlow (~2.6 s, ~450 MB). `ReplayServer` does not: it builds
+the table, its rate limiter and checkpointer, and the server from Reverb's C++ extension
+(replay/client.py `pybind()`, loaded without TensorFlow in a process started with `lite_env()`),
+exactly as `reverb.Table` / `reverb.Server` do, with the table signature as its serialized proto
+(`ROLLOUTS_SIGNATURE_PROTO`, checked against TensorFlow's encoder by tests/replay/test_replay.py).
+`make_rollouts_table` (a `reverb.Table`, for code that builds its own `reverb.Server`) imports
+TensorFlow when called.
 """
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 import time
 from typing import Any, Dict, Optional, Tuple
@@ -22,7 +29,7 @@ import numpy as np
 from absl import logging
 
 from sao_actor_learner import core
-from sao_actor_learner.replay.client import connect
+from sao_actor_learner.replay.client import connect, pybind
 
 DEFAULT_TABLE = "rollouts"
 
@@ -30,6 +37,10 @@ DEFAULT_TABLE = "rollouts"
 ITEM_COLUMN = "item"
 ITEM_COLUMNS: Tuple[str, ...] = (ITEM_COLUMN,)
 
+# nested_structure_coder.encode_structure(rollouts_signature()).SerializeToString(): what
+# reverb.Table sends its C++ table as the signature (a StructuredValue proto of one TensorSpec).
+ROLLOUTS_SIGNATURE_PROTO = bytes.fromhex(
+    "aa03240a220a046974656d121a8a02170a046974656d120d120b08ffffffffffffffffff011804")
 
 
 def rollouts_signature() -> Dict[str, Any]:
@@ -49,9 +60,7 @@ def make_rollouts_table(queue_capacity: int, name: str = DEFAULT_TABLE):
     crash, or a replay node's restart) is still in its actor's spool: the actor re-inserts it
     when the learner reports a loss epoch (end-to-end acknowledgement, actors/spool.py).
     """
-    if not isinstance(queue_capacity, (int, np.integer)) or queue_capacity < 1:
-        raise ValueError(f"queue_capacity={queue_capacity!r}: must be an int >= 1 (the most "
-                         "rollouts that may wait in replay; SAOConfig uses 2*batch_size)")
+    _check_capacity(queue_capacity)
     import reverb
 
     return reverb.Table(
@@ -65,8 +74,27 @@ def make_rollouts_table(queue_capacity: int, name: str = DEFAULT_TABLE):
     )
 
 
+def _check_capacity(queue_capacity) -> None:
+    if not isinstance(queue_capacity, (int, np.integer)) or queue_capacity < 1:
+        raise ValueError(f"queue_capacity={queue_capacity!r}: must be an int >= 1 (the most "
+                         "rollouts that may wait in replay; SAOConfig uses 2*batch_size)")
+
+
+def _cpp_rollouts_table(queue_capacity: int, name: str):
+    """make_rollouts_table's table, built as reverb.Table builds it, from the C++ extension."""
+    _check_capacity(queue_capacity)
+    lib = pybind()
+    capacity = int(queue_capacity)
+    # rate_limiters.Queue(capacity)
+    limiter = lib.RateLimiter(samples_per_insert=1.0, min_size_to_sample=1, min_diff=0.0,
+                              max_diff=float(capacity))
+    return lib.Table(name=name, sampler=lib.FifoSelector(), remover=lib.FifoSelector(),
+                     max_size=capacity, max_times_sampled=1, rate_limiter=limiter,
+                     extensions=[], signature=ROLLOUTS_SIGNATURE_PROTO)
+
+
 class ReplayServer(core.Worker):
-    """The replay node: a `reverb.Server` hosting the rollouts table, as a `core.Worker`.
+    """The replay node: a Reverb server hosting the rollouts table, as a `core.Worker`.
 
     `run()` starts the server (if `start()` has not) and serves until `stop()`. `address` is known
     from construction on, so a launcher can hand it to other nodes before the server runs.
@@ -79,7 +107,8 @@ class ReplayServer(core.Worker):
     (items, order and counters) when the server starts, `checkpoint()` writes one, so does `run()`
     every `checkpoint_every_s` seconds (0: never) and once more when it stops. Reverb restores the
     checkpoint's rate limiter in place of the one configured here; a capacity mismatch is logged.
-    Without `checkpoint_dir`, Reverb's default checkpointer (an empty temporary folder) is used.
+    Without `checkpoint_dir`, Reverb's default checkpointer (an empty temporary folder, removed
+    when the server stops) is used.
     """
 
     def __init__(self, queue_capacity: int, port: int = 0, checkpoint_dir: Optional[str] = None,
@@ -103,6 +132,7 @@ class ReplayServer(core.Worker):
             port = portpicker.pick_unused_port()
         self._port = int(port)
         self._server = None
+        self._temp_dir: Optional[str] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -124,15 +154,15 @@ class ReplayServer(core.Worker):
         with self._lock:
             if self._server is not None:
                 return self
-            import reverb
-
-            checkpointer = None
-            if self.checkpoint_dir:
-                checkpointer = reverb.checkpointers.DefaultCheckpointer(path=self.checkpoint_dir)
-            table = make_rollouts_table(self.queue_capacity, self.table_name)
+            lib = pybind()
+            path = self.checkpoint_dir
+            if not path:   # reverb.Server's default: a TempDirCheckpointer (one per server,
+                # kept across a failed start, removed by _shutdown)
+                path = self._temp_dir = self._temp_dir or tempfile.mkdtemp(prefix="sao_replay_")
+            checkpointer = lib.create_default_checkpointer(path, "", None)
+            table = _cpp_rollouts_table(self.queue_capacity, self.table_name)
             t0 = time.time()
-            self._server = reverb.Server(tables=[table], port=self._port,
-                                         checkpointer=checkpointer)
+            self._server = lib.Server([table], self._port, checkpointer)
             logging.info("ReplayServer: table %r (queue capacity %d) serving at %s in %.2fs%s",
                          self.table_name, self.queue_capacity, self.address, time.time() - t0,
                          f", checkpoints in {self.checkpoint_dir}" if self.checkpoint_dir else "")
@@ -141,7 +171,7 @@ class ReplayServer(core.Worker):
         return self
 
     def _check_restored(self) -> None:
-        status = connect(self.client()).table_status(self.table_name)
+        status = connect(self.address).table_status(self.table_name)
         restored = status.insert_capacity
         if status.current_size:
             logging.info("ReplayServer: restored %d queued rollouts from %s", status.current_size,
@@ -154,7 +184,8 @@ class ReplayServer(core.Worker):
                 restored, self.queue_capacity, restored)
 
     def client(self):
-        """A `reverb.Client` connected to this server."""
+        """A `reverb.Client` connected to this server (imports TensorFlow; the project's own
+        code uses `connect(address)`, replay/client.py)."""
         import reverb
 
         return reverb.Client(self.address)
@@ -165,7 +196,7 @@ class ReplayServer(core.Worker):
             raise RuntimeError("ReplayServer.checkpoint(): no checkpoint_dir was given")
         if self._server is None:
             raise RuntimeError("ReplayServer.checkpoint(): the server is not started")
-        path = self.client().checkpoint()
+        path = pybind().Client(self.address).Checkpoint()
         logging.info("ReplayServer: checkpoint written to %s", path)
         return path
 
@@ -193,5 +224,8 @@ class ReplayServer(core.Worker):
         with self._lock:
             server, self._server = self._server, None
         if server is not None:
-            server.stop()
+            server.Stop()
             logging.info("ReplayServer: stopped (%s)", self.address)
+        temp, self._temp_dir = self._temp_dir, None
+        if temp:
+            shutil.rmtree(temp, ignore_errors=True)

@@ -90,6 +90,16 @@ def test_table_config():
         make_rollouts_table(0)
 
 
+def test_server_signature_proto_is_tensorflows_encoding():
+    """ReplayServer hands its C++ table the signature as bytes (no TensorFlow in its process):
+    they must be what reverb.Table makes of rollouts_signature()."""
+    from tensorflow.python.saved_model import nested_structure_coder
+
+    from sao_actor_learner.replay.tables import ROLLOUTS_SIGNATURE_PROTO, rollouts_signature
+    encoded = nested_structure_coder.encode_structure(rollouts_signature()).SerializeToString()
+    assert ROLLOUTS_SIGNATURE_PROTO == encoded
+
+
 def test_buckets():
     assert bucket_lengths(64) == [16, 20, 24, 28, 32, 40, 48, 56, 64]
     assert bucket_lengths(64, per_octave=2) == [16, 24, 32, 48, 64]

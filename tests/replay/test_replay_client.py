@@ -1,7 +1,7 @@
 """replay/client.py against a real Reverb server: the TableInfo fields decoded without the
 TensorFlow-generated protos agree with Reverb's own decoding, and a process started with
-`lite_env()` writes and reads rollouts through Reverb's C++ client with neither TensorFlow nor
-the reverb package imported."""
+`lite_env()` writes and reads rollouts through Reverb's C++ client, and hosts the replay server
+(replay/tables.py), with neither TensorFlow nor the reverb package imported."""
 from __future__ import annotations
 
 import json
@@ -113,3 +113,61 @@ def test_a_lite_process_writes_and_reads_without_tensorflow(server):
         assert r.prompt_id == prompt_id and r.tokens.tolist() == tokens
         np.testing.assert_array_equal(r.rollout_logp, np.asarray(logp, np.float32))
     assert server.client().server_info()["rollouts"].current_size == 0
+
+
+SERVER_CHILD = r"""
+import json, os, resource, sys
+import numpy as np
+from sao_actor_learner.replay import ReplayServer, RolloutReader, RolloutWriter, connect
+from sao_actor_learner.replay.client import lite_active
+from sao_actor_learner.types import Rollout
+
+server = ReplayServer(queue_capacity=4, checkpoint_dir=sys.argv[1]).start()
+mask = np.array([0, 1, 1], np.int8)
+sent = [Rollout(tokens=np.array([1, 2, i]), action_mask=mask, rollout_logp=np.array([0, -1., -2]),
+                versions=np.array([-1, 0, 0]), rewards=np.array([0, 0, 1.]), prompt_id=i, seq=i)
+        for i in range(3)]
+with RolloutWriter(server.address, max_sequence_length=8, vocab_size=10) as writer:
+    confirmed = [r.confirmed for r in writer.write_many(sent, timeout_s=30.0)]
+status = connect(server.address).table_status("rollouts")
+path = server.checkpoint()
+with RolloutReader(server.address) as reader:
+    got = []
+    while len(got) < 1:
+        got += reader.sample(1, timeout_s=5.0)
+server._shutdown()
+print(json.dumps({"lite": lite_active(), "tensorflow": "tensorflow" in sys.modules,
+                  "reverb": "reverb" in sys.modules,
+                  "confirmed": confirmed, "size": status.current_size,
+                  "capacity": status.insert_capacity, "checkpoint": os.path.isdir(path),
+                  "first": got[0].prompt_id,
+                  "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+"""
+
+
+def test_a_lite_process_hosts_the_replay_server_without_tensorflow(tmp_path):
+    """The replay node in a lite process: the server, its rate limiter (capacity 4) and a
+    checkpoint, with neither TensorFlow nor the reverb package imported (the writer checks its
+    items against the table's signature, the bytes it was given); then this process (with the
+    reverb package) restores that checkpoint: all 3 rollouts, in order, as it was written before
+    the child's sample."""
+    env = {**os.environ, **lite_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    out = subprocess.run([sys.executable, "-c", SERVER_CHILD, str(tmp_path / "ckpt")],
+                         capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["lite"] and not report["tensorflow"] and not report["reverb"], report
+    assert report["confirmed"] == [True] * 3 and report["size"] == 3
+    assert report["capacity"] == 4 and report["checkpoint"] and report["first"] == 0
+    restored = ReplayServer(queue_capacity=4, checkpoint_dir=str(tmp_path / "ckpt")).start()
+    try:
+        with RolloutReader(restored.address) as reader:
+            got = []
+            while len(got) < 3:   # the checkpoint was written before the child's sample
+                batch = reader.sample(3 - len(got), timeout_s=5.0)
+                if not batch:
+                    break
+                got += batch
+        assert [r.prompt_id for r in got] == [0, 1, 2]
+    finally:
+        restored._shutdown()
