@@ -16,7 +16,8 @@ import torch
 
 from sao_actor_learner import kernels
 from sao_actor_learner.types import collate
-from test_packing import assert_same_params, drifting, learner_for, params, rollouts
+from test_packing import (assert_same_params, drifting, learner_for, params, rollouts,
+                          run_learner_step_benchmark)
 
 torch.set_num_threads(1)
 
@@ -157,19 +158,7 @@ def test_a_kept_forward_must_cover_the_whole_batch_in_one_micro_batch():
 
 def test_the_learner_step_benchmark_compares_the_step_with_and_without_the_savings(tmp_path):
     """Format only: both cells, their parts, the ratio row and a profile (no timing asserted)."""
-    import json
-    import subprocess
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    mix = tmp_path / "lengths.json"
-    mix.write_text(json.dumps({"lengths": [9, 30, 17, 12], "prompt_lengths": [3, 5, 4, 4]}))
-    out = subprocess.run(
-        [sys.executable, os.path.join(repo, "programs", "benchmarks", "learner_step.py"),
-         "--sizes=tiny", "--micro_batch_tokens=0", "--dtypes=float32", "--savings=off,on",
-         "--batch=4", "--steps=1", "--threads=1", "--top_ops=5", f"--lengths_file={mix}"],
-        capture_output=True, text=True, cwd=repo, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_learner_step_benchmark(tmp_path, "--savings=off,on", "--top_ops=5")
     cells = {c["savings"]: c for c in result["cells"]}
     assert set(cells) == {"off", "on"}, result
     for c in cells.values():

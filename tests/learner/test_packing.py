@@ -304,7 +304,9 @@ def test_a_micro_batch_of_one_packed_row_holds_no_padding():
 
 
 # The benchmark -------------------------------------------------------------------------------
-def test_the_learner_step_benchmark_compares_layouts_on_a_length_mix(tmp_path):
+def run_learner_step_benchmark(tmp_path, *flags):
+    """programs/benchmarks/learner_step.py on the tiny shape, one step per cell, a batch of four
+    rollouts from a small length mix (9, 30, 17 and 12 tokens); its last line's JSON."""
     import json
     import subprocess
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -312,12 +314,16 @@ def test_the_learner_step_benchmark_compares_layouts_on_a_length_mix(tmp_path):
     mix.write_text(json.dumps({"lengths": [9, 30, 17, 12], "prompt_lengths": [3, 5, 4, 4]}))
     out = subprocess.run(
         [sys.executable, os.path.join(repo, "programs", "benchmarks", "learner_step.py"),
-         "--sizes=tiny", "--micro_batch_tokens=0", "--dtypes=float32", "--layouts=padded,packed",
-         "--batch=4", "--steps=1", "--threads=1", f"--lengths_file={mix}"],
+         "--sizes=tiny", "--micro_batch_tokens=0", "--dtypes=float32", "--batch=4", "--steps=1",
+         "--threads=1", f"--lengths_file={mix}", *flags],
         capture_output=True, text=True, cwd=repo, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_learner_step_benchmark_compares_layouts_on_a_length_mix(tmp_path):
+    result = run_learner_step_benchmark(tmp_path, "--layouts=padded,packed")
     cells = {c["layout"]: c for c in result["cells"]}
     assert set(cells) == {"padded", "packed"}, result
     for c in cells.values():   # the four lengths, drawn without replacement
