@@ -82,7 +82,8 @@ def check_before_launch(config: SAOConfig) -> Dict:
     proc = subprocess.run([sys.executable, "-m", "sao_actor_learner.preflight"],
                           input=config.to_json(), capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                               "OMP_NUM_THREADS": "1"})
+                               "OMP_NUM_THREADS": "1",   # nothing else runs yet: the dataset
+                               "TOKENIZERS_PARALLELISM": "true"})   # is tokenized on every core
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if not lines:
         raise ConfigError(f"the pre-launch checks crashed (exit {proc.returncode}):\n"

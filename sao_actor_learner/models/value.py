@@ -20,8 +20,10 @@ No reverb, tensorflow or grpc here.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
+import struct
 from typing import Iterable, List, Sequence, Tuple
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -154,8 +156,14 @@ def match_frozen_patterns(patterns: Sequence[str], names: Sequence[str]) -> List
 
 
 def critic_parameter_names(path: str) -> List[str]:
-    """The critic body's parameter names for the model (or critic) directory `path`, from its
-    config alone (the model is built on the meta device: no weights are read)."""
+    """The critic body's parameter names (sorted) for the model (or critic) directory `path`.
+    A critic directory's body file names them in its safetensors header (read without
+    importing the model's code: the pre-launch check's -2.5 s, docs/DESIGN.md); a causal-LM
+    directory's critic is built from its config on the meta device (no weights are read)."""
+    if os.path.exists(os.path.join(path, VALUE_HEAD_FILE)):
+        names = safetensors_tensor_names(path)
+        if names is not None:
+            return sorted(names)
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -164,4 +172,20 @@ def critic_parameter_names(path: str) -> List[str]:
             body = AutoModel.from_config(config)
         else:
             body = base_model_of(AutoModelForCausalLM.from_config(config))
-    return [n for n, _ in body.named_parameters()]
+    return sorted(n for n, _ in body.named_parameters())
+
+
+def safetensors_tensor_names(path: str):
+    """The tensor names of the model directory `path`'s weights (model.safetensors, or the
+    shards its index names), from the headers alone; None when it has neither."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return list(json.load(f)["weight_map"])
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        return None
+    with open(single, "rb") as f:   # the format: u64 little-endian header size, JSON header
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return [k for k in header if k != "__metadata__"]

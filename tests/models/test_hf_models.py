@@ -22,6 +22,7 @@ from sao_actor_learner.models import (HFTokenizer, ModelDirError, check_model_di
                                       load_sync_state_dict, save_checkpoint, sync_state_dict,
                                       token_limit)
 from sao_actor_learner.models.value import (ValueModel, critic_parameter_names,
+                                            safetensors_tensor_names,
                                             match_frozen_patterns)
 from sao_actor_learner.preflight import check_before_launch
 from sao_actor_learner.types import Rollout, collate
@@ -167,8 +168,9 @@ def test_critic_directories_round_trip(tmp_path, model_dir):
     assert torch.allclose(loaded(ids, attn), critic(ids, attn))
     fresh = ValueModel.load(model_dir)          # from a causal LM: a zero head
     assert torch.count_nonzero(fresh(ids, attn)) == 0
-    assert critic_parameter_names(path) == critic_parameter_names(model_dir) == \
-        [n for n, _ in critic.body.named_parameters()]
+    names = sorted(n for n, _ in critic.body.named_parameters())
+    assert critic_parameter_names(path) == critic_parameter_names(model_dir) == names
+    assert sorted(safetensors_tensor_names(path)) == names   # the header read, checked
 
 
 ARCHITECTURES = {

@@ -113,6 +113,26 @@ def test_chat_template_rendering_with_system_prompt_and_suffix(tok):
     assert text == tok.encode("What is 2 plus 3?") and not set(text) & tok.special_ids
 
 
+@pytest.mark.parametrize("kw", [{}, {"system_prompt": "Be brief.", "instruction_suffix": " T."},
+                                {"apply_chat_template": False}], ids=["chat", "system", "plain"])
+def test_render_many_gives_the_ids_of_render_one_by_one(tok, kw):
+    prompts = [r["prompt"] for r in fx.gsm_rows(40)] + [
+        "a string prompt", [{"role": "user", "content": "literal <|im_end|> text"}]]
+    r = PromptRenderer(tok, **kw)
+    assert r.render_many(prompts) == [r.render(p) for p in prompts]
+    char = PromptRenderer(CharTokenizer())   # the interface's one-by-one default
+    assert char.render_many(["1+2=", "3+4="]) == [char.render("1+2="), char.render("3+4=")]
+
+
+def test_a_row_that_does_not_render_is_named(tok, tmp_path):
+    rows = fx.gsm_rows(5)
+    rows[3]["prompt"] = [{"role": "system", "content": "no user message"}]
+    train = fx.write_jsonl(str(tmp_path / "train.jsonl"), rows)
+    with pytest.raises(DatasetError, match=r"train\.jsonl: row 3: the prompt does not render"):
+        DatasetTask(tok, [train], [train], make_reward("gsm8k"),
+                    renderer=PromptRenderer(tok, instruction_suffix=" Think."))
+
+
 def test_chat_template_on_a_tokenizer_without_one_is_an_error():
     char = CharTokenizer()
     assert PromptRenderer(char).render("1+2=") == char.encode("1+2=")   # auto: plain text
