@@ -193,3 +193,31 @@ def test_an_actor_runs_on_any_actor_coordination_and_reports_its_counters(tmp_pa
         assert written[name] == actor.counters[name] == pytest.approx(value), name
     assert written["rollouts_held"] == 8 and written["loss_epoch"] == 0
     spool.close()
+
+
+class _RefusingFirst(_Coordination):
+    """Grants nothing the first `refusals` times it is asked (a staleness limit reached)."""
+
+    def __init__(self, refusals):
+        super().__init__()
+        self.refusals = refusals
+
+    def admit_details(self, actor_id, count=1, timeout_s=30.0, released=0):
+        if self.refusals > 0:
+            self.refusals -= 1
+            return core.AdmitResult(0, 0, self.admitted, 1 << 20)
+        return super().admit_details(actor_id, count, timeout_s, released)
+
+
+def test_an_actor_counts_the_time_it_waits_for_admission(tmp_path):
+    sink, spool = _ListSink(), RolloutSpool(str(tmp_path / "spool"))
+    actor = Actor(0, _Task(), _Engine(), _RefusingFirst(3), sink, decode=None, params=PARAMS,
+                  spool=spool, actor_batch=4, max_rollouts=4)
+    thread = threading.Thread(target=actor.run, daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive() and len(sink.sent) == 4
+    assert actor.counters["admission_waits"] == 3
+    assert actor.counters["admission_wait_s"] >= 3 * 0.02   # three sleeps of at least 20 ms
+    assert actor.counters["weight_load_s"] == 0.0           # version 0 was the engine's
+    spool.close()

@@ -35,6 +35,7 @@ of a stored result from its runs (nothing is run).
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -76,6 +77,11 @@ def define_budget_flags() -> None:
                       "the fastest (steps/s) is used.")
     flags.DEFINE_list("staleness_sweep", [], "mode=budget: disaggregated SAO once per entry "
                       "(lockstep or a max_staleness k), e.g. lockstep,1,2,4,8.")
+    flags.DEFINE_float("sweep_budget_s", 0.0, "mode=budget: training seconds of each staleness "
+                       "sweep run (0: --budget_s).")
+    flags.DEFINE_list("sao_policy_lrs", [], "mode=budget: SAO policy learning rates to tune over "
+                      "(as TRL's G x lr: --tune_budget_s disaggregated runs, by budget-mean "
+                      "accuracy); one or none: --sao_policy_lr, untuned.")
     flags.DEFINE_float("sweep_threshold", 0.6, "mode=budget: the staleness table's time-to.")
     flags.DEFINE_string("out", "", "mode=budget: write OUT.json and OUT.png (e.g. "
                         "results/vs_trl/budget_2026-12-03).")
@@ -103,8 +109,11 @@ def _first_train_row(path: str) -> Optional[Dict]:
     return None
 
 
-def run_sao_budget(name: str, extra: List[str], budget_s: float) -> Dict:
-    """One SAO run of `budget_s` training seconds; its recorded versions evaluated after it."""
+def run_sao_budget(name: str, extra: List[str], budget_s: float,
+                   policy_lr: Optional[float] = None) -> Dict:
+    """One SAO run of `budget_s` training seconds; its recorded versions evaluated after it.
+    policy_lr: the policy's learning rate (default --sao_policy_lr; 0: the recipe's)."""
+    lr = FLAGS.sao_policy_lr if policy_lr is None else policy_lr
     from programs.benchmarks import vs_trl
 
     run_dir = os.path.join(FLAGS.run_root, name)
@@ -115,7 +124,7 @@ def run_sao_budget(name: str, extra: List[str], budget_s: float) -> Dict:
            f"--eval_every={FLAGS.budget_eval_every}", "--evaluator=record",
            f"--eval_size={FLAGS.eval_size}", f"--seed={FLAGS.task_seed}",
            f"--num_actors={FLAGS.sao_num_actors}", "--launch=local_mp",
-           f"--policy_lr={FLAGS.sao_policy_lr}", "--threads_per_process=1", "--progress=false",
+           f"--policy_lr={lr}", "--threads_per_process=1", "--progress=false",
            *budget_recipe(), *extra, *FLAGS.sao_extra_flags]
     clock: Dict[str, float] = {}
 
@@ -153,6 +162,11 @@ def run_sao_budget(name: str, extra: List[str], budget_s: float) -> Dict:
         vals = [r[key] for r in train if r.get(key) is not None]
         return round(statistics.fmean(vals), 4) if vals else None
 
+    actors = []   # each actor's last counters (actor.py writes them every second)
+    for path in sorted(glob.glob(os.path.join(run_dir, "actor_*_stats.json"))):
+        with open(path) as f:
+            actors.append(json.load(f))
+
     return {"side": "sao", "name": name, "curve": curve, "steps": last["step"] if last else 0,
             "rollouts_per_s": (last["rollouts_trained"] / clock_s) if last and clock_s else 0.0,
             "tokens_per_s": tokens / clock_s if clock_s else 0.0,
@@ -161,7 +175,10 @@ def run_sao_budget(name: str, extra: List[str], budget_s: float) -> Dict:
             "learner_wait_frac": mean_of("learner_wait_frac"),
             "staleness_mean": mean_of("staleness_mean"), "kl_rollout": mean_of("kl_rollout"),
             "masked_frac": mean_of("masked_frac"), "explained_variance": mean_of(
-                "explained_variance"), "flags": extra}
+                "explained_variance"), "flags": extra, "policy_lr": lr,
+            "num_actors": len(actors),   # where an actor's time went, summed over actors:
+            "actor_admission_wait_s": round(sum(a.get("admission_wait_s", 0.0) for a in actors), 2),
+            "actor_weight_load_s": round(sum(a.get("weight_load_s", 0.0) for a in actors), 2)}
 
 
 def budget_recipe() -> List[str]:
@@ -240,6 +257,26 @@ def tune_trl_budget() -> Dict:
                      for r in runs]}
 
 
+def tune_sao_budget() -> Dict:
+    """SAO's policy learning rate by the protocol TRL's is tuned with: the budget-mean accuracy
+    of a --tune_budget_s disaggregated run per --sao_policy_lrs candidate (seed --tune_seed)."""
+    candidates = [float(lr) for lr in FLAGS.sao_policy_lrs]
+    if len(candidates) < 2:
+        return {"policy_lr": candidates[0] if candidates else FLAGS.sao_policy_lr, "runs": []}
+    runs = []
+    for lr in candidates:
+        r = run_sao_budget(f"tune_sao_lr{lr:g}", [DISAGGREGATED, *critic_flags(),
+                                                  f"--seed={FLAGS.tune_seed}"],
+                           FLAGS.tune_budget_s, policy_lr=lr)
+        r["mean_accuracy"] = bc.mean_accuracy(r["curve"], FLAGS.tune_budget_s)
+        runs.append(r)
+        print(f"tune sao lr={lr:g}: mean accuracy {r['mean_accuracy']:.3f} over "
+              f"{FLAGS.tune_budget_s:g}s, {r['steps']} steps", flush=True)
+    best = max(runs, key=lambda r: r["mean_accuracy"])
+    return {"policy_lr": best["policy_lr"],
+            "runs": [{k: r[k] for k in ("policy_lr", "mean_accuracy", "steps")} for r in runs]}
+
+
 # --- the comparison --------------------------------------------------------------------------------
 def sao_variants() -> Dict[str, List[str]]:
     variants = {}
@@ -305,8 +342,19 @@ def sweep_rows(runs: Dict[str, Dict], budget_s: float, threshold: float) -> List
                      f"time_to_{threshold:g}_s": bc.time_to(r["curve"], threshold, budget_s),
                      "accuracy_at_budget": bc.accuracy_at(r["curve"], budget_s),
                      "staleness_mean": r["staleness_mean"], "kl_rollout": r["kl_rollout"],
-                     "masked_frac": r["masked_frac"]})
+                     "masked_frac": r["masked_frac"],
+                     # fractions of the actors' budget: waiting for admission (the staleness
+                     # limit, lock-step), putting new versions into the engine
+                     "actor_admission_wait_frac": _actor_frac(r, "actor_admission_wait_s",
+                                                              budget_s),
+                     "actor_weight_load_frac": _actor_frac(r, "actor_weight_load_s", budget_s)})
     return rows
+
+
+def _actor_frac(run: Dict, key: str, budget_s: float) -> Optional[float]:
+    if run.get(key) is None or not run.get("num_actors"):
+        return None
+    return round(run[key] / (budget_s * run["num_actors"]), 4)
 
 
 def table_text(result: Dict) -> str:
@@ -368,7 +416,8 @@ def resummarize(path: str, report_at: List[float], thresholds: List[float],
         result = json.load(f)
     budget = float(result["budget_s"])
     result.update(summarize_budget(result["runs"], budget, report_at, thresholds))
-    result["staleness_sweep"] = sweep_rows(result.get("sweep_runs") or {}, budget,
+    result["staleness_sweep"] = sweep_rows(result.get("sweep_runs") or {},
+                                           float(result.get("sweep_budget_s") or budget),
                                            sweep_threshold)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
@@ -391,28 +440,34 @@ def main_budget() -> Dict:
     tuned = tune_trl_budget()
     print(f"TRL: G={tuned['group_size']}, lr={tuned['learning_rate']:g}, "
           f"threads={tuned['threads']}", flush=True)
+    sao_tuned = tune_sao_budget()
+    sao_lr = sao_tuned["policy_lr"]
+    print(f"SAO: policy lr {sao_lr:g} (0: the recipe's)", flush=True)
     variants = sao_variants()
     sides: Dict[str, List[Dict]] = {"trl": [], **{v: [] for v in variants}}
     for i in range(FLAGS.repeats):   # interleaved
         sides["trl"].append(run_trl_budget(f"trl_{i}", tuned["group_size"],
                                            tuned["learning_rate"], i, tuned["threads"], budget))
         for v, extra in variants.items():
-            sides[v].append(run_sao_budget(f"{v}_{i}", extra, budget))
+            sides[v].append(run_sao_budget(f"{v}_{i}", extra, budget, policy_lr=sao_lr))
         for side, runs in sides.items():
             m = side_metrics(runs[-1], budget, report_at, thresholds)
             print(f"repeat {i} {side}: mean accuracy {m['mean_accuracy']:.3f}, final "
                   f"{bc.accuracy_at(runs[-1]['curve'], budget)}, {runs[-1]['steps']} steps",
                   flush=True)
     sweep_runs = {}
+    sweep_budget = FLAGS.sweep_budget_s or budget
     for setting in FLAGS.staleness_sweep:
         flag = "--lockstep" if setting == "lockstep" else f"--max_staleness={int(setting)}"
         sweep_runs[setting] = run_sao_budget(f"sweep_{setting}", [DISAGGREGATED, flag,
-                                                                   *critic_flags()], budget)
-    sweep = sweep_rows(sweep_runs, budget, FLAGS.sweep_threshold)
+                                                                   *critic_flags()],
+                                             sweep_budget, policy_lr=sao_lr)
+    sweep = sweep_rows(sweep_runs, sweep_budget, FLAGS.sweep_threshold)
     result = {"benchmark": "vs_trl", "mode": "budget", "workload": FLAGS.workload,
               "budget_s": budget, "repeats": FLAGS.repeats, "eval_size": FLAGS.eval_size,
               "eval_every_steps": FLAGS.budget_eval_every,
               "rollouts_per_step": FLAGS.rollouts_per_step, "trl_tuned": tuned,
+              "sao_tuned": sao_tuned, "sweep_budget_s": sweep_budget,
               "sao_variants": variants, "sao_recipe": budget_recipe(),
               **summarize_budget(sides, budget, report_at, thresholds),
               "staleness_sweep": sweep,

@@ -104,7 +104,7 @@ class Actor(core.Worker):
                               max_waiting, ack_period_s)
         self._loop_counters: Dict[str, float] = {
             "rollouts_generated": spool.completed + sum(spool.refused.values()),
-            "admission_waits": 0, "reward_sum": 0.0}
+            "admission_waits": 0, "admission_wait_s": 0.0, "reward_sum": 0.0}
         self._admit_failures = 0
         # A restarted actor continues its prompt stream after the prompts its previous
         # incarnations used, instead of drawing the same prompts (and ids) again.
@@ -114,8 +114,10 @@ class Actor(core.Worker):
     @property
     def counters(self) -> Dict[str, float]:
         """The actor's counters so far: rollouts_generated, rollouts_inserted, rollouts_resent,
-        rollouts_acknowledged, admission_waits, weight_updates, weights_offered, reward_sum,
-        injected_delay_s (a snapshot)."""
+        rollouts_acknowledged, admission_waits (and admission_wait_s: seconds the loop slept
+        for want of admission, the staleness limit or lock-step), weight_updates (and
+        weight_load_s: seconds spent putting versions into the engine), weights_offered,
+        reward_sum, injected_delay_s (a snapshot)."""
         with self._lock:
             counters = dict(self._loop_counters)
         return {**counters, **self._outbox.counters, **self._weights.counters}
@@ -226,9 +228,11 @@ class Actor(core.Worker):
             self._weights.update()
             n = self._admitted()
             if n <= 0:
+                t_wait = time.monotonic()
+                time.sleep(0.02)
                 with self._lock:
                     self._loop_counters["admission_waits"] += 1
-                time.sleep(0.02)
+                    self._loop_counters["admission_wait_s"] += time.monotonic() - t_wait
                 continue
             rollouts = run_episodes(self._engine, self._task, self.prompts_for(n), self._params,
                                     actor_id=self.actor_id, counters=self.env_counters,

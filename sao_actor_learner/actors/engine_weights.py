@@ -13,6 +13,7 @@ experiment), version P - k (no weight thread then).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Dict, Optional
 
 from sao_actor_learner import core
@@ -49,11 +50,14 @@ class EngineWeights:
         self._thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None   # what stopped the weight thread
         self._weights_by_version: Dict[int, dict] = {}   # forced staleness: recent versions
-        self._counters: Dict[str, float] = {"weight_updates": 0, "weights_offered": 0}
+        self._counters: Dict[str, float] = {"weight_updates": 0, "weights_offered": 0,
+                                            "weight_load_s": 0.0}
 
     @property
     def counters(self) -> Dict[str, float]:
-        """weight_updates (versions loaded between batches), weights_offered (by the thread)."""
+        """weight_updates (versions loaded between batches), weight_load_s (seconds those
+        loads took: decoding and putting the weights into the engine), weights_offered (by the
+        thread)."""
         with self._lock:
             return dict(self._counters)
 
@@ -72,9 +76,11 @@ class EngineWeights:
         with self._weights_lock:
             current = self._engine.version
             if v >= 0 and (v > current if self.feeding else v != current):
+                t_load = time.monotonic()
                 self._engine.load_weights(self._decode(params), v)
                 with self._lock:
                     self._counters["weight_updates"] += 1
+                    self._counters["weight_load_s"] += time.monotonic() - t_load
 
     def catch_up(self, policy_version: int) -> None:
         """Before rollouts admitted at `policy_version` start: the engine runs that version (a
@@ -98,9 +104,11 @@ class EngineWeights:
             self._weights_by_version[version] = weights
             for old in sorted(self._weights_by_version)[:-(self._forced_staleness + 2)]:
                 del self._weights_by_version[old]
+        t_load = time.monotonic()
         self._engine.load_weights(weights, version)
         with self._lock:
             self._counters["weight_updates"] += 1
+            self._counters["weight_load_s"] += time.monotonic() - t_load
 
     def start(self) -> None:
         """Starts the weight thread when the engine takes weights in flight (`feeding`)."""

@@ -127,10 +127,15 @@ def test_summary_targets_and_staleness_table_of_synthetic_runs():
     assert t["held_time_to_0.6_le_half_trl"] == {"met": True, "ratio": None}
     text = vb.table_text(result)
     assert "accuracy_at_600s" in text and "not reached" in text and "target" in text
-    rows = vb.sweep_rows({"lockstep": sao[0], "2": _run(sao[0]["curve"], 7.0)}, 600.0, 0.6)
+    two = _run(sao[0]["curve"], 7.0, num_actors=2, actor_admission_wait_s=120.0,
+               actor_weight_load_s=12.0)
+    rows = vb.sweep_rows({"lockstep": sao[0], "2": two}, 600.0, 0.6)
     assert [r["setting"] for r in rows] == ["lockstep", "2"]
     assert [r["throughput_vs_lockstep"] for r in rows] == [1.0, 1.75]
     assert rows[0]["time_to_0.6_s"] == 100.0 and rows[0]["accuracy_at_budget"] == 0.7
+    assert rows[0]["actor_admission_wait_frac"] is None   # a stored run without actor figures
+    assert rows[1]["actor_admission_wait_frac"] == 0.1    # 120 s of 2 actors x 600 s
+    assert rows[1]["actor_weight_load_frac"] == 0.01
 
 
 def test_resummarize_recomputes_a_stored_result_with_other_thresholds(tmp_path):
@@ -159,6 +164,8 @@ def test_budget_mode_smoke_prints_a_table_a_plot_and_one_json_line(warm_start, t
            "--budget_eval_every=2", "--eval_size=20", "--rollouts_per_step=8",
            "--sao_max_steps=200", "--trl_group_sizes=2", "--trl_lrs=1e-4", "--trl_threads=1",
            "--trl_max_steps=400", "--sao_layouts=disaggregated",
+           "--sao_policy_lrs=1e-5,1e-4", "--tune_budget_s=3",        # SAO's lr tuned too
+           "--staleness_sweep=2", "--sweep_budget_s=4",
            "--sao_extra_flags=--actor_batch=4", "--stall_timeout_s=400",
            "--sao_critic_model=",   # not this checkout's own checkpoints/critic_dataset
            "--subprocess_timeout_s=500", f"--out={out}"]
@@ -180,12 +187,20 @@ def test_budget_mode_smoke_prints_a_table_a_plot_and_one_json_line(warm_start, t
         assert acc is not None and 0.0 <= acc <= 1.0
         assert 0.0 <= metrics["mean_accuracy"]["median"] <= 1.0
         assert metrics["startup_s"]["median"] > 0 and metrics["cpu_s"]["median"] > 0
-    assert result["staleness_sweep"] == []
+    assert [r["policy_lr"] for r in result["sao_tuned"]["runs"]] == [1e-5, 1e-4]
+    assert result["sao_tuned"]["policy_lr"] in (1e-5, 1e-4)
+    [row] = result["staleness_sweep"]
+    assert row["setting"] == "2" and row["throughput_vs_lockstep"] is None   # no lock-step run
+    assert 0.0 <= row["actor_admission_wait_frac"] <= 1.0
+    assert 0.0 <= row["actor_weight_load_frac"] <= 1.0
     saved = json.loads((tmp_path / "out" / "budget.json").read_text())
     sao = saved["runs"]["sao_disaggregated"][0]
     assert sao["curve"][0] == [0.0, saved["runs"]["trl"][0]["curve"][0][1]]   # same warm start
     assert all(0.0 <= t <= 6.0 + 1e-6 for t, _ in sao["curve"])
     assert "--placement=actor:cpu0,learner:cpu1" in sao["flags"]
+    assert sao["policy_lr"] == result["sao_tuned"]["policy_lr"]   # the tuned rate is used
+    assert saved["sweep_runs"]["2"]["policy_lr"] == sao["policy_lr"]
+    assert all(0.0 <= t <= 4.0 + 1e-6 for t, _ in saved["sweep_runs"]["2"]["curve"])
     assert (tmp_path / "out" / "budget.png").stat().st_size > 1000
     assert not math.isnan(sao["rollouts_per_s"]) and sao["steps"] >= 1
 
