@@ -12,7 +12,7 @@ seconds per step (median), tokens/s, the process's peak memory above what it hel
 building the model, critic and optimisers (CPU: peak RSS from getrusage, which includes the
 allocator's cache; CUDA: torch.cuda.max_memory_allocated), and on CUDA the model FLOPs
 utilisation against --peak_tflops (6 x parameters x tokens for the policy, the same for each of
-the critic's passes; attention FLOPs left out).
+the critic's passes, the policy's LM head only where it runs; attention FLOPs left out).
 
 Sizes: tiny (the arithmetic warm start's shape), small (the GSM-style workload's, 1.4M), 25m,
 150m, qwen3-0.6b (hidden 1024, 28 layers, 16 heads x 128, 8 KV heads, FFN 3072, vocab 151936);
@@ -182,11 +182,15 @@ def run_cell(size: str, micro: int, dtype: str) -> dict:
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     step_s = statistics.median(times)
     tokens = sum(n for n, _ in shapes)   # real tokens: padding is not work done
-    # policy fwd+bwd (6NP), critic: one no-grad forward (2NP, none when the first critic step
-    # reuses it) + K fwd+bwd (6NP each).
+    # policy fwd+bwd (6NP; with logprob_positions=actions the LM head, V x hidden, runs only at
+    # the positions that predict an action token: one per response token), critic: one no-grad
+    # forward (2NP, none when the first critic step reuses it) + K fwd+bwd (6NP each).
+    head = policy.get_output_embeddings().weight.numel()
+    head_positions = sum(n - prompt for n, prompt in shapes) \
+        if config.logprob_positions == "actions" else tokens
     estimate_flops = 0 if config.critic_reuse_estimate_forward else 2
-    flops = 6 * params * tokens + (estimate_flops + 6 * config.critic_updates) * \
-        critic_params * tokens
+    flops = 6 * (params - head) * tokens + 6 * head * head_positions + \
+        (estimate_flops + 6 * config.critic_updates) * critic_params * tokens
     out = {"size": size, "micro_batch_tokens": micro, "dtype": dtype, "device": FLAGS.device,
            "params": params, "critic_params": critic_params, "batch": FLAGS.batch,
            "seq_len": L, "step_s": step_s, "tokens_per_s": tokens / step_s,
