@@ -141,18 +141,6 @@ class Tokenizer(abc.ABC):
         raise ValueError(f"{type(self).__name__} has no chat template: render prompts as plain "
                          "text (apply_chat_template=False)")
 
-    def encode_batch(self, texts: Sequence[str], add_bos: bool = True) -> List[List[int]]:
-        """`encode` of each text; implementations may tokenize them together (faster)."""
-        return [self.encode(t, add_bos) for t in texts]
-
-    def apply_chat_template_batch(self, conversations: Sequence[Sequence[dict]],
-                                  add_generation_prompt: bool = True,
-                                  **template_kwargs) -> List[List[int]]:
-        """`apply_chat_template` of each conversation; implementations may tokenize them
-        together (faster). Raises as `apply_chat_template` does, without saying which one."""
-        return [self.apply_chat_template(m, add_generation_prompt, **template_kwargs)
-                for m in conversations]
-
     def decode_response(self, ids: Sequence[int]) -> str:
         """The text of one model turn as a reward sees it: the ids up to (not including) the
         first stop id, special tokens skipped."""

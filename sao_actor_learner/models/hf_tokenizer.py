@@ -147,21 +147,14 @@ class HFTokenizer(core.Tokenizer):
                                           **template_kwargs)
         return [int(i) for i in out["input_ids"]]
 
-    def encode_batch(self, texts: Sequence[str], add_bos: bool = True) -> List[List[int]]:
-        """One call into the Rust tokenizer for every text (its threads, when
-        $TOKENIZERS_PARALLELISM allows); the same ids as `encode` of each."""
-        out = self.hf(list(texts), add_special_tokens=False, split_special_tokens=True)
-        prefix = [self._bos] if add_bos and self._bos is not None else []
-        return [prefix + [int(i) for i in ids] for ids in out["input_ids"]]
-
     def apply_chat_template_batch(self, conversations: Sequence[Sequence[dict]],
                                   add_generation_prompt: bool = True,
                                   **template_kwargs) -> List[List[int]]:
         """Transformers' batched form: each conversation rendered, then all tokenized in one
         call; the same ids as `apply_chat_template` of each."""
         if not self.has_chat_template or not conversations:
-            return super().apply_chat_template_batch(conversations, add_generation_prompt,
-                                                     **template_kwargs)
+            return [self.apply_chat_template(m, add_generation_prompt, **template_kwargs)
+                    for m in conversations]
         out = self.hf.apply_chat_template([list(m) for m in conversations], tokenize=True,
                                           return_dict=True,
                                           add_generation_prompt=add_generation_prompt,

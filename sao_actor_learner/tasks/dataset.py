@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from sao_actor_learner import core
+from sao_actor_learner.models.hf_tokenizer import HFTokenizer
 from sao_actor_learner.tasks.dataset_files import DatasetError, DatasetRow, read_dataset
 from sao_actor_learner.tasks.registry import TaskSpec
 
@@ -90,11 +91,15 @@ class PromptRenderer:
         GSM8K prompts in ~1.5 s instead of ~2.5 s); raises when any prompt does not render,
         without saying which (`render` them one by one to find it)."""
         conversations = [self.messages(p) for p in prompts]
-        if self.chat:
+        if self.chat and isinstance(self.tokenizer, HFTokenizer):   # one batched call
             return self.tokenizer.apply_chat_template_batch(
                 conversations, add_generation_prompt=True, **self.template_kwargs)
-        return self.tokenizer.encode_batch(
-            ["\n\n".join(m["content"] for m in msgs) for msgs in conversations], add_bos=True)
+        if self.chat:
+            return [self.tokenizer.apply_chat_template(m, add_generation_prompt=True,
+                                                       **self.template_kwargs)
+                    for m in conversations]
+        return [self.tokenizer.encode("\n\n".join(m["content"] for m in msgs), add_bos=True)
+                for msgs in conversations]
 
 
 class DatasetEnvironment(core.Environment):
