@@ -76,11 +76,7 @@ class EngineWeights:
         with self._weights_lock:
             current = self._engine.version
             if v >= 0 and (v > current if self.feeding else v != current):
-                t_load = time.monotonic()
-                self._engine.load_weights(self._decode(params), v)
-                with self._lock:
-                    self._counters["weight_updates"] += 1
-                    self._counters["weight_load_s"] += time.monotonic() - t_load
+                self._put(lambda: self._decode(params), v)
 
     def catch_up(self, policy_version: int) -> None:
         """Before rollouts admitted at `policy_version` start: the engine runs that version (a
@@ -104,8 +100,13 @@ class EngineWeights:
             self._weights_by_version[version] = weights
             for old in sorted(self._weights_by_version)[:-(self._forced_staleness + 2)]:
                 del self._weights_by_version[old]
+        self._put(lambda: weights, version)
+
+    def _put(self, weights_fn: Callable[[], dict], version: int) -> None:
+        """Loads `weights_fn()` (decoding, where it decodes) into the engine as `version`,
+        counted in weight_updates and timed in weight_load_s."""
         t_load = time.monotonic()
-        self._engine.load_weights(weights, version)
+        self._engine.load_weights(weights_fn(), version)
         with self._lock:
             self._counters["weight_updates"] += 1
             self._counters["weight_load_s"] += time.monotonic() - t_load
