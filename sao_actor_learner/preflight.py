@@ -21,7 +21,11 @@ Each `--tracker` must import (else the error names its pip extra) and be able to
 The subprocess runs only when such a check applies: a dataset task, a model directory that is
 not one of this project's char-level checkpoints (their architecture is the factory's, whose
 names the default patterns are tested against), a critic directory, non-default patterns, or
-LoRA.
+LoRA. A verdict it passed is kept in the start-up cache (disk_cache.py), keyed by the config
+fields it reads (MODEL_CHECK_FIELDS), the model and critic directories' files and the dataset
+files' stamps: a second launch on the same inputs (a benchmark's repeats, a resumed run) starts
+without it (~7 s of imports and tokenizing). A failed verdict is never kept, and a reward from
+a file ("file.py:fn") always runs the checks (what that file imports is not tracked).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import subprocess
 import sys
 from typing import Dict
 
+from sao_actor_learner import disk_cache
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.learner import registry
 from sao_actor_learner.models.model_dir import (CHAR_TOKENIZER_FILE, ModelDirError,
@@ -39,6 +44,14 @@ from sao_actor_learner.observers.trackers import check_trackers
 from sao_actor_learner.run_dirs import check_fresh_run
 
 DEFAULT_FROZEN_PATTERNS = SAOConfig.__dataclass_fields__["critic_frozen_patterns"].default
+# What model_checks reads of the config (tests/test_preflight.py records its reads and holds
+# them to this list): the cached verdict's key.
+MODEL_CHECK_FIELDS = (
+    "algorithm", "answer_key", "apply_chat_template", "critic_frozen_patterns", "critic_model",
+    "eval_files", "eval_size", "instruction_suffix", "lora_rank", "lora_target_modules",
+    "max_prompt_length", "model", "num_actors", "prompt_key", "reward", "reward_timeout_s",
+    "reward_workers", "seed", "shuffle", "system_prompt", "task", "template_kwargs",
+    "train_files")
 
 
 def _model_hint(config: SAOConfig) -> str:
@@ -79,6 +92,40 @@ def check_before_launch(config: SAOConfig) -> Dict:
             raise ConfigError(str(e)) from None
     if not needs_model_checks(config):
         return {}
+    key = verdict_key(config)
+    cached = disk_cache.load_json("preflight", key) if key else None
+    if cached is not None and isinstance(cached.get("stats"), dict):
+        return cached["stats"]
+    stats = run_model_checks(config)
+    if key:
+        disk_cache.save_json("preflight", key, {"stats": stats})
+    return stats
+
+
+def verdict_key(config: SAOConfig):
+    """The start-up cache's key of `config`'s model checks, or None (caching off, or a reward
+    from a file, whose imports are not tracked)."""
+    from sao_actor_learner.rewards import BUILTINS
+
+    if disk_cache.cache_root() is None or (config.task == "dataset"
+                                           and config.reward not in BUILTINS):
+        return None
+    try:
+        files = {"model": disk_cache.directory_fingerprint(config.model)}
+        if config.critic_model:
+            files["critic"] = disk_cache.directory_fingerprint(config.critic_model)
+        if config.task == "dataset":
+            files["data"] = [disk_cache.file_fingerprint(f)
+                             for f in list(config.train_files) + list(config.eval_files)]
+    except OSError:   # a missing file: the checks say which
+        return None
+    fields = {name: getattr(config, name) for name in MODEL_CHECK_FIELDS}
+    return disk_cache.make_key("preflight", [fields, files])
+
+
+def run_model_checks(config: SAOConfig) -> Dict:
+    """model_checks in a short-lived subprocess (torch and transformers stay out of the
+    launcher); ConfigError with its verdict."""
     proc = subprocess.run([sys.executable, "-m", "sao_actor_learner.preflight"],
                           input=config.to_json(), capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

@@ -1,13 +1,22 @@
 """Shared fixtures: a warm-start checkpoint for the program tests; offline hub settings."""
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 # No model hub is reachable: a stray hub id must fail at once, not after a minute of retries.
 for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ.setdefault(_var, "1")
+
+# The start-up cache (sao_actor_learner/disk_cache.py) of the tests is their own, removed at the
+# end: a developer's ~/.cache is neither read nor filled.
+if "SAO_CACHE_DIR" not in os.environ:
+    os.environ["SAO_CACHE_DIR"] = tempfile.mkdtemp(prefix="sao-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["SAO_CACHE_DIR"], True)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tests mirror the package's folders; the fixture modules (tests/*_fixtures.py) and the test

@@ -123,6 +123,7 @@ def test_summary_targets_and_staleness_table_of_synthetic_runs():
     t = result["targets"]
     assert t["accuracy_at_300s_ge_trl"] == {"met": True, "by": 0.04}
     assert t["time_to_0.6_le_half_trl"] == {"met": True, "ratio": None}   # TRL: median not reached
+    assert t["startup_le_1.5x_trl"] == {"met": True, "ratio": 1.0}
     assert s["sao_disaggregated"]["held_time_to_0.6_s"]["median"] == 125.0
     assert t["held_time_to_0.6_le_half_trl"] == {"met": True, "ratio": None}
     text = vb.table_text(result)
@@ -188,6 +189,9 @@ def test_budget_mode_smoke_prints_a_table_a_plot_and_one_json_line(warm_start, t
         assert 0.0 <= metrics["mean_accuracy"]["median"] <= 1.0
         assert metrics["startup_s"]["median"] > 0 and metrics["cpu_s"]["median"] > 0
     assert [r["policy_lr"] for r in result["sao_tuned"]["runs"]] == [1e-5, 1e-4]
+    # The invocation's start-up cache starts empty: its first SAO run (a tuning run) is cold.
+    assert result["sao_tuned"]["startup_runs"][0]["startup_cache"] == "cold"
+    assert result["sao_cold_startup_s"] == result["sao_tuned"]["startup_runs"][0]["startup_s"]
     assert result["sao_tuned"]["policy_lr"] in (1e-5, 1e-4)
     [row] = result["staleness_sweep"]
     assert row["setting"] == "2" and row["throughput_vs_lockstep"] is None   # no lock-step run
