@@ -100,6 +100,8 @@ flags.DEFINE_list("savings", ["on"], "the learner step's exact savings (logprob_
                   "actions and critic_reuse_estimate_forward): on, off, or off,on to compare "
                   "them in one run (savings_ratios)")
 flags.DEFINE_string("cell_savings", "on", "internal: the savings of the --cell run")
+flags.DEFINE_integer("critic_minibatches", 1, "critic optimizer steps per epoch (the dataset "
+                     "recipe's 2: the reused forward is then the first slice's)")
 flags.DEFINE_integer("top_ops", 0, "profile one more step of each cell with torch.profiler and "
                      "report its N largest operators by self CPU time (0: no profile)")
 flags.DEFINE_integer("max_cell_s", 1800, "a cell running longer than this is reported as such")
@@ -136,7 +138,8 @@ def run_cell(size: str, micro: int, dtype: str) -> dict:
                        max_sequence_length=max([FLAGS.seq_len] + [n for n, _ in shapes]) + 1,
                        max_new_tokens=FLAGS.seq_len // 2,
                        logprob_positions="actions" if FLAGS.cell_savings == "on" else "all",
-                       critic_reuse_estimate_forward=FLAGS.cell_savings == "on")
+                       critic_reuse_estimate_forward=FLAGS.cell_savings == "on",
+                       critic_minibatches=FLAGS.critic_minibatches)
     critic = ValueModel.from_policy(policy)
     critic.freeze(config.critic_frozen_patterns)
     critic.to(device)
@@ -184,15 +187,18 @@ def run_cell(size: str, micro: int, dtype: str) -> dict:
     tokens = sum(n for n, _ in shapes)   # real tokens: padding is not work done
     # policy fwd+bwd (6NP; with logprob_positions=actions the LM head, V x hidden, runs only at
     # the positions that predict an action token: one per response token), critic: one no-grad
-    # forward (2NP, none when the first critic step reuses it) + K fwd+bwd (6NP each).
+    # forward (2NP; the first of M slices' part is the first critic step's when it is reused)
+    # + K fwd+bwd (6NP each).
     head = policy.get_output_embeddings().weight.numel()
     head_positions = sum(n - prompt for n, prompt in shapes) \
         if config.logprob_positions == "actions" else tokens
-    estimate_flops = 0 if config.critic_reuse_estimate_forward else 2
+    estimate_flops = 2 * (1 - 1 / config.critic_minibatches) \
+        if config.critic_reuse_estimate_forward else 2
     flops = 6 * (params - head) * tokens + 6 * head * head_positions + \
         (estimate_flops + 6 * config.critic_updates) * critic_params * tokens
     out = {"size": size, "micro_batch_tokens": micro, "dtype": dtype, "device": FLAGS.device,
            "params": params, "critic_params": critic_params, "batch": FLAGS.batch,
+           "critic_minibatches": config.critic_minibatches,
            "seq_len": L, "step_s": step_s, "tokens_per_s": tokens / step_s,
            "layout": FLAGS.cell_layout, "tokens": tokens,
            "lora_rank": FLAGS.cell_lora_rank, "policy_step_s": statistics.median(policy_times),

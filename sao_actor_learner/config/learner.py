@@ -54,10 +54,10 @@ class LearnerConfig(Section):
     value_loss_coef: float = option(0.5, "critic=shared_trunk: the value loss's weight against "
                                     "the policy loss in the joint loss the shared trunk learns.")
     critic_reuse_estimate_forward: bool = option(
-        True, "The first of the K critic steps reuses the estimate's forward (run with "
-        "gradient, kept through the policy step) instead of computing the same values again: "
-        "exact, one critic forward fewer per step; only when the whole batch is one forward "
-        "(micro_batch_tokens=0) and critic_minibatches=1 (the kept activations cost memory).")
+        True, "The first of the K critic steps reuses the estimate's forward of its rows (run "
+        "with gradient, kept through the policy step) instead of computing the same values "
+        "again: exact, one critic forward of 1/critic_minibatches of the batch fewer per step; "
+        "only when micro_batch_tokens=0 (the kept activations cost memory).")
     critic_frozen_patterns: Tuple[str, ...] = option(
         ("self_attn", "embed_tokens", "norm"), "Regexes of critic parameters kept frozen "
         "(attention, embeddings and norms); each must match some parameter.")

@@ -193,9 +193,12 @@ def fit(estimator, train: Sequence[Rollout], heldout: Sequence[Rollout],
             estimate = estimator.estimate(batch)
             scratch = torch.zeros(batch.tokens.shape, dtype=torch.float32,
                                   device=batch.tokens.device)
-            # The estimate's forward when it kept one (CriticGAE.estimate): the same values.
-            estimator.optimizer_step(batch, estimate, np.arange(batch.size), scratch,
-                                     *(estimate.forward_cache or ()))
+            # The estimate's forward when it kept one of the whole batch (CriticGAE.estimate;
+            # with critic_minibatches > 1 it keeps the first slice's): the same values.
+            kept = estimate.forward_cache
+            if kept is not None and len(kept[1]) != batch.size:
+                kept = None
+            estimator.optimizer_step(batch, estimate, np.arange(batch.size), scratch, kept)
             step += 1
             if settings.eval_every and step % settings.eval_every == 0:
                 if evaluate(epoch + (k + 1) / steps_per_epoch):

@@ -92,22 +92,35 @@ class CriticGAE(AdvantageEstimator):
         forward_cache (config critic_reuse_estimate_forward); the values are the same."""
         if not self._keeps_forward(batch):
             return self._estimate_from(batch, *self.values(batch))
-        micro = minibatches.select_rows(batch, np.arange(batch.size), trim=True)
+        first = self._slices(batch)[0]   # the first critic step's rows
+        micro = minibatches.select_rows(batch, first, trim=True)
         raw = self._raw_values(micro)
         full = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=raw.device)
-        full[:, :raw.shape[1]] = raw.detach()
+        index = torch.as_tensor(first, device=raw.device)
+        full[index, :raw.shape[1]] = raw.detach()
+        rest = np.arange(len(first), batch.size)   # the later slices: no gradient (the critic
+        if len(rest):                              # will have changed when they are trained)
+            index = torch.as_tensor(rest, device=raw.device)
+            full[index] = minibatches.per_token_no_grad(
+                minibatches.select_rows(batch, rest), self.config.micro_batch_tokens,
+                self.config.micro_batch_layout, self._raw_values)
         estimate = self._estimate_from(batch, *aligned_values(full, batch))
-        estimate.forward_cache = (raw,)
+        estimate.forward_cache = (raw, first)
         return estimate
 
+    def _slices(self, batch: Batch) -> list:
+        """The rows of each of an epoch's critic optimizer steps."""
+        return minibatches.row_splits(batch.size, min(self.config.critic_minibatches,
+                                                      batch.size))
+
     def _keeps_forward(self, batch: Batch) -> bool:
-        """Whether the estimate's forward is the first critic step's own: the whole batch is
-        one forward (micro_batch_tokens=0) in one slice (critic_minibatches=1), with gradient,
-        in training mode (as update runs it)."""
+        """Whether the estimate's forward of the first slice of rows is the first critic
+        step's own: each step's rows are one forward (micro_batch_tokens=0), with gradient, in
+        training mode (as update runs it). Only the first step's: the critic has not changed
+        before it; later steps see the critic the steps before them changed."""
         cfg = self.config
         return (cfg.critic_reuse_estimate_forward and cfg.micro_batch_tokens == 0 and
-                cfg.critic_minibatches == 1 and torch.is_grad_enabled() and
-                self.critic.training and batch.size > 0)
+                torch.is_grad_enabled() and self.critic.training and batch.size > 0)
 
     def _estimate_from(self, batch: Batch, values: torch.Tensor, last: torch.Tensor
                        ) -> Estimate:
@@ -141,12 +154,11 @@ class CriticGAE(AdvantageEstimator):
         last_values = torch.zeros(batch.tokens.shape, dtype=torch.float32,
                                   device=batch.tokens.device)
         norm = 0.0
-        slices = minibatches.row_splits(batch.size, min(cfg.critic_minibatches, batch.size))
+        slices = self._slices(batch)
         kept, estimate.forward_cache = estimate.forward_cache, None   # used once
         for _ in range(cfg.critic_updates):
             for rows in slices:
-                norm = self.optimizer_step(batch, estimate, rows, last_values,
-                                           kept[0] if kept else None)
+                norm = self.optimizer_step(batch, estimate, rows, last_values, kept)
                 kept = None
         t = gather_rows(self.collective, {"values": estimate.values, "returns": estimate.returns,
                                           "last": last_values, "mask": mask.float()})
@@ -159,12 +171,12 @@ class CriticGAE(AdvantageEstimator):
                 "critic_optimizer_steps": cfg.critic_updates * len(slices)}
 
     def optimizer_step(self, batch: Batch, estimate: Estimate, rows, recomputed: torch.Tensor,
-                       kept_raw: torch.Tensor = None) -> float:
+                       kept: tuple = None) -> float:
         """One critic optimizer step on the batch rows `rows` (every rank its own rows; the
         loss divided by the group's action tokens in them), micro-batched by token budget;
         writes the values it computed into `recomputed` [B, T]; returns the gradient norm.
-        `kept_raw`: the estimate's forward of exactly these rows as one micro-batch (raw
-        values with gradient, `estimate`), used instead of running it again."""
+        `kept`: (raw values with gradient, their rows) of the estimate's forward (`estimate`),
+        used instead of running it again; its rows must be `rows`, in one micro-batch."""
         rows = np.asarray(rows, dtype=np.int64)
         n_actions = self.collective.sum([float(batch.action_mask[torch.as_tensor(rows)].sum())])[0]
         self.optimizer.zero_grad(set_to_none=True)
@@ -172,9 +184,13 @@ class CriticGAE(AdvantageEstimator):
         lengths = batch.lengths[torch.as_tensor(rows)].tolist()
         groups = minibatches.micro_batch_groups(lengths, self.config.micro_batch_tokens,
                                                 self.config.micro_batch_layout)
-        if kept_raw is not None and (len(groups) != 1 or len(rows) != batch.size):
-            raise ValueError("a kept critic forward covers the whole batch in one micro-batch; "
-                             f"this step has {len(groups)} micro-batches of {len(rows)} rows")
+        kept_raw = None
+        if kept is not None:
+            kept_raw, kept_rows = kept
+            if len(groups) != 1 or not np.array_equal(rows, kept_rows):
+                raise ValueError(f"a kept critic forward of {len(kept_rows)} rows must be this "
+                                 f"step's rows in one micro-batch; this step has {len(groups)} "
+                                 f"micro-batches of {len(rows)} rows")
         for group in groups:
             micro = minibatches.select_rows(batch, rows[group], trim=True)
             width = micro.tokens.shape[1]

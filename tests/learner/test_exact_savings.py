@@ -81,6 +81,7 @@ def test_the_lm_head_reads_only_the_rows_that_predict_actions(monkeypatch):
     ("llama", {"critic": "shared_trunk"}),
     ("qwen2", {"policy_loss": "ppo_clip", "policy_minibatches": 2, "micro_batch_tokens": 30}),
     ("qwen3", {"critic_updates": 3, "token_entropy": False}),
+    ("qwen3", {"critic_minibatches": 2}),      # the first slice's forward is kept
 ])
 def test_learner_steps_with_the_savings_equal_steps_without(arch, overrides):
     saving = learner_for(arch, **overrides)
@@ -133,6 +134,23 @@ def test_the_first_critic_step_reuses_the_estimates_forward(reuse, micro_batch_t
         assert calls == [batch.size] * forwards
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_with_two_critic_minibatches_the_first_slices_forward_is_reused(reuse):
+    """K=2 epochs of 2 slices: the estimate runs the first slice with gradient and the second
+    without (2 forwards), the steps then run 3 of their 4 forwards; without the reuse, one
+    forward of the whole batch and 4. Rows through the critic: 2.5 vs 3 batches."""
+    learner = learner_for(critic_reuse_estimate_forward=reuse, critic_minibatches=2)
+    batch = collate(drifting(learner, rollouts(seed=8)))
+    learner.update(batch)
+    calls = _counting_critic_forwards(learner.estimator)
+    learner.update(batch)
+    half = (batch.size + 1) // 2
+    if reuse:
+        assert calls == [half, batch.size - half, batch.size - half, half, batch.size - half]
+    else:
+        assert calls == [batch.size, half, batch.size - half, half, batch.size - half]
+
+
 def test_a_critic_in_eval_mode_or_without_gradient_keeps_no_forward():
     learner = learner_for()
     batch = collate(rollouts(seed=9))
@@ -144,14 +162,14 @@ def test_a_critic_in_eval_mode_or_without_gradient_keeps_no_forward():
     assert learner.estimator.estimate(batch).forward_cache is None
 
 
-def test_a_kept_forward_must_cover_the_whole_batch_in_one_micro_batch():
+def test_a_kept_forward_must_be_the_steps_own_rows_in_one_micro_batch():
     learner = learner_for()
     batch = collate(rollouts(seed=10))
     learner.estimator.critic.train()
     estimate = learner.estimator.estimate(batch)
-    kept = estimate.forward_cache[0]
+    kept = estimate.forward_cache
     scratch = torch.zeros(batch.tokens.shape)
-    with pytest.raises(ValueError, match="whole batch in one micro-batch"):
+    with pytest.raises(ValueError, match="must be this step's rows in one micro-batch"):
         learner.estimator.optimizer_step(batch, estimate, np.arange(batch.size - 1), scratch,
                                          kept)
 
