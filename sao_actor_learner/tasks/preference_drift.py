@@ -31,6 +31,8 @@ from sao_actor_learner.tasks.online_shift import answer_in_phase
 from sao_actor_learner.tasks.registry import TaskSpec
 
 OPTIONS = ("reward_drift_period", "reward_drift_amplitude", "reward_drift_walk_std")
+# (period, amplitude, walk_std) of a task made without a weight (make_task): the config's defaults.
+DEFAULT_DRIFT = (200.0, 0.4, 0.03)
 
 
 class PreferenceWeight:
@@ -93,14 +95,14 @@ class PreferenceDriftEnvironment(core.Environment):
 
 class PreferenceDriftTask(ArithmeticTask):
     """Addition with a drifting mixture reward. Takes ArithmeticTask's arguments plus `weight`
-    (a PreferenceWeight) and `version_source`."""
+    (a PreferenceWeight; None: DEFAULT_DRIFT seeded by `seed`) and `version_source`."""
 
     name = "preference_drift"
 
-    def __init__(self, weight: PreferenceWeight,
+    def __init__(self, weight: Optional[PreferenceWeight] = None,
                  version_source: Optional[Callable[[], int]] = None, **kwargs):
         super().__init__(**kwargs)
-        self.weight = weight
+        self.weight = weight or PreferenceWeight(*DEFAULT_DRIFT, seed=self.seed)
         self._version_source = version_source
 
     def set_version_source(self, version_source: Callable[[], int]) -> None:

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from sao_actor_learner.config import ConfigError, SAOConfig
+from sao_actor_learner.tasks import make_task
 from sao_actor_learner.tasks.arithmetic import has_carry, no_carry_sum
-from sao_actor_learner.tasks.preference_drift import (PreferenceDriftTask, PreferenceWeight,
-                                                      weight_of_config)
+from sao_actor_learner.tasks.preference_drift import (DEFAULT_DRIFT, PreferenceDriftTask,
+                                                      PreferenceWeight, weight_of_config)
 
 
 def test_the_weight_is_a_seeded_sinusoid_plus_random_walk():
@@ -76,3 +77,13 @@ def test_options_are_checked_and_only_for_this_task():
     with pytest.raises(ConfigError, match="reward_drift_period=50.*applies only to "
                        "--task=preference_drift"):
         SAOConfig(task="arithmetic", reward_drift_period=50)
+
+
+def test_make_task_builds_it_with_the_configs_default_drift():
+    task = make_task("preference_drift", seed=6, num_eval=10)
+    default = SAOConfig(task="preference_drift", seed=6)
+    assert isinstance(task, PreferenceDriftTask)
+    assert (default.reward_drift_period, default.reward_drift_amplitude,
+            default.reward_drift_walk_std) == DEFAULT_DRIFT
+    assert [task.weight(v) for v in range(0, 300, 13)] == \
+        [weight_of_config(default)(v) for v in range(0, 300, 13)]
