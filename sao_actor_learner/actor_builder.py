@@ -32,7 +32,8 @@ def setup_process(config: SAOConfig, offset: int = 0) -> None:
     torch.manual_seed(config.seed + offset)
 
 
-def sampling_params(config: SAOConfig, greedy: bool = False, stop_ids=(), actor: bool = False):
+def sampling_params(config: SAOConfig, greedy: bool = False, stop_ids=(),
+                    actor: bool = False):
     """Training (or greedy evaluation) sampling; `stop_ids` are the tokenizer's. `actor`: the
     actors' training rollouts, which sample with --drift_actor_temperature / --drift_actor_top_p
     in a sampling-mismatch experiment (config/drift.py)."""
