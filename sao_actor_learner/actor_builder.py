@@ -32,13 +32,29 @@ def setup_process(config: SAOConfig, offset: int = 0) -> None:
     torch.manual_seed(config.seed + offset)
 
 
-def sampling_params(config: SAOConfig, greedy: bool = False, stop_ids=()):
-    """Training (or greedy evaluation) sampling; `stop_ids` are the tokenizer's."""
+def sampling_params(config: SAOConfig, greedy: bool = False, stop_ids=(),
+                    actor: bool = False):
+    """Training (or greedy evaluation) sampling; `stop_ids` are the tokenizer's. `actor`: the
+    actors' training rollouts, which sample with --drift_actor_temperature / --drift_actor_top_p
+    in a sampling-mismatch experiment (config/drift.py)."""
+    from sao_actor_learner.config.drift import actor_sampling
     from sao_actor_learner.core import SamplingParams
     stop = tuple(int(t) for t in stop_ids)
+    temperature, top_p = actor_sampling(config) if actor else (config.temperature, config.top_p)
     return SamplingParams(max_new_tokens=config.max_new_tokens,
-                          temperature=0.0 if greedy else config.temperature,
-                          top_p=1.0 if greedy else config.top_p, stop_token_ids=stop)
+                          temperature=0.0 if greedy else temperature,
+                          top_p=1.0 if greedy else top_p, stop_token_ids=stop)
+
+
+def make_lag_sampler(config: SAOConfig, actor_id: int):
+    """Actor `actor_id`'s forced staleness lag sampler (actors/lags.py), seeded by (seed, actor
+    id); None without forced staleness or with the constant lag."""
+    if config.forced_staleness < 0 or config.forced_staleness_distribution == "constant":
+        return None
+    from sao_actor_learner.actors.lags import LagSampler
+    return LagSampler(config.forced_staleness_distribution, config.forced_staleness,
+                      config.forced_staleness_tail_alpha, config.max_staleness,
+                      seed=(config.seed, actor_id, "lags"))
 
 
 # --- the parts --------------------------------------------------------------------------------------
@@ -117,14 +133,14 @@ def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_
         sink=RolloutWriter(replay_address, max_sequence_length=config.max_sequence_length,
                            vocab_size=engine.tokenizer.vocab_size, signer=signer),
         decode=ckpt.bytes_to_state_dict_views,  # engines copy them into the model
-        params=sampling_params(config, stop_ids=engine.tokenizer.stop_ids),
+        params=sampling_params(config, stop_ids=engine.tokenizer.stop_ids, actor=True),
         spool=RolloutSpool(directory),
         actor_batch=config.actor_batch, admission_control=config.admission_control,
         seed=config.seed, max_total_tokens=config.max_sequence_length,
         max_turns=config.max_turns, env_threads=config.env_threads,
         stats_path=os.path.join(run_dir, f"actor_{actor_id}_stats.json"),
         group_size=config.group_size, forced_staleness=config.forced_staleness,
-        weight_poll_s=config.variable_update_period_s,
+        weight_poll_s=config.variable_update_period_s, lags=make_lag_sampler(config, actor_id),
         delay_sampler=make_delay_sampler(config.actor_delay, config.actor_delay_mean_s,
                                          config.actor_delay_max_s, config.actor_delay_tail,
                                          delay_rng))

@@ -124,6 +124,7 @@ def _build_learner(config: SAOConfig, replay_address: str, variables_address: st
     from sao_actor_learner.learner import journal as journal_lib
     from sao_actor_learner.models import checkpoint as ckpt
     from sao_actor_learner.models import lora
+    from sao_actor_learner.observers.drift_labels import label_learner_metrics
     from sao_actor_learner.observers.trackers import make_metrics_logger
     from sao_actor_learner.variables import VariablePublisher
 
@@ -154,7 +155,8 @@ def _build_learner(config: SAOConfig, replay_address: str, variables_address: st
                                     **publisher_shm(config, run_dir))
         if collective.is_main else None,
         serialize=ckpt.state_dict_to_buffers,   # streamed without a joined copy
-        logger=make_metrics_logger(config, run_dir, "learner") if collective.is_main else None,
+        logger=label_learner_metrics(config, make_metrics_logger(config, run_dir, "learner"))
+        if collective.is_main else None,   # with the drift knobs (observers/drift_labels.py)
         tokenizer=tokenizer, checkpoint_root=root,
         token_limit=ckpt.token_limit(policy, tokenizer), pad_id=tokenizer.pad_id,
         collective=collective,

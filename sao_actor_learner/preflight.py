@@ -55,7 +55,7 @@ MODEL_CHECK_FIELDS = (
 
 
 def _model_hint(config: SAOConfig) -> str:
-    if config.task in ("arithmetic", "calculator_tool", "online_shift"):
+    if config.task in ("arithmetic", "calculator_tool", "online_shift", "preference_drift"):
         return (f" (build the warm start with `make warm-start` or `python programs/sft.py "
                 f"--task={config.task} --out_dir={config.model}`)")
     return ""

@@ -8,6 +8,7 @@ import time
 from typing import Dict, Optional
 
 from sao_actor_learner.config import ConfigError, SAOConfig
+from sao_actor_learner.config.drift import knob_record
 from sao_actor_learner.observers import read_metrics, write_json_atomic
 from sao_actor_learner.preflight import check_before_launch
 from sao_actor_learner.split_launch import RemoteTraining, runs_remote_learner
@@ -76,7 +77,13 @@ def summarize(config: SAOConfig, run_dir: str, wall_time_s: float,
         "max_staleness": config.max_staleness,
         "restarts": _restarts(run_dir),   # node -> restarts, from nodes.json
         "drift_alarms": _drift_alarms(train),
+        # the drift knobs (config/drift.py) and the lags the actors drew, by lag
+        "drift_knobs": {**knob_record(config), "forced_lag_hist": _lag_hist(actors)},
     }
+    weights = [r["reward_preference_weight"] for r in train if "reward_preference_weight" in r]
+    if weights:   # task=preference_drift: the drifting reward's weight over the run
+        summary["reward_preference_weight"] = {"first": weights[0], "last": weights[-1],
+                                               "min": min(weights), "max": max(weights)}
     critic_evals = read_metrics(run_dir, "critic_eval")
     if critic_evals:   # the critic's EV on its fixed held-out rollouts (value_pretraining.py)
         summary["critic_heldout_ev_start"] = critic_evals[0]["critic_heldout_ev"]
@@ -103,6 +110,16 @@ def _drift_alarms(train) -> Dict[str, int]:
         if found:
             return found
     return {}
+
+
+def _lag_hist(actors) -> list:
+    """The forced staleness lags all actors drew, counted by lag (actor stats files)."""
+    hist: list = []
+    for a in actors:
+        for lag, n in enumerate(a.get("forced_lag_hist", [])):
+            hist.extend([0] * (lag + 1 - len(hist)))
+            hist[lag] += n
+    return hist
 
 
 def _restarts(run_dir: str) -> Dict[str, int]:

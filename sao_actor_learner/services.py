@@ -42,8 +42,13 @@ def variables_client_security(config: SAOConfig, auth_token: str) -> dict:
 
 
 def server_keep_versions(config: SAOConfig) -> int:
-    """Versions the variable server keeps fetchable by number."""
-    return config.forced_staleness + 2 if config.forced_staleness >= 0 else 2
+    """Versions the variable server keeps fetchable by number: with forced staleness, every
+    version a lag can reach back to (k, or max_staleness with a lag distribution) and two."""
+    if config.forced_staleness < 0:
+        return 2
+    if config.forced_staleness_distribution != "constant":
+        return config.max_staleness + 2
+    return config.forced_staleness + 2
 
 
 def publisher_shm(config: SAOConfig, run_dir: str) -> dict:

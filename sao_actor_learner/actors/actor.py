@@ -58,6 +58,8 @@ class Actor(core.Worker):
       delay_sampler: n -> n injected delays in seconds (actors/delays.py); None: none.
       forced_staleness: k >= 0 generates every rollout with the weights of version P - k (needs
         admission with max_staleness 0 and keep_versions > k; the builder sets both). -1: off.
+      lags: with forced staleness, an actors/lags.LagSampler drawing each batch's lag (its mean
+        is k); None: the constant k.
       max_waiting: with delays, the most rollouts waiting at once; None: 4 actor batches.
       ack_period_s: how often the actor asks which of its rollouts the learner consumed.
       weight_poll_s: with engine.weight_sync_mode keep/abort, how often the weight thread
@@ -73,7 +75,7 @@ class Actor(core.Worker):
                  max_rollouts: Optional[int] = None, group_size: int = 1,
                  delay_sampler=None, forced_staleness: int = -1,
                  max_waiting: Optional[int] = None, ack_period_s: float = 0.5,
-                 weight_poll_s: float = 0.05):
+                 weight_poll_s: float = 0.05, lags=None):
         if group_size < 1 or forced_staleness < -1:
             raise ValueError(f"group_size={group_size}, forced_staleness={forced_staleness}: "
                              "need group_size >= 1 and forced_staleness >= -1")
@@ -98,7 +100,7 @@ class Actor(core.Worker):
         self._lock = threading.Lock()        # the loop's counters
         self._weights = EngineWeights(engine, variables, decode, forced_staleness,
                                       weight_poll_s, self._stop,
-                                      thread_name=f"actor-{actor_id}-weights")
+                                      thread_name=f"actor-{actor_id}-weights", lags=lags)
         self._feeding = self._weights.feeding
         self._outbox = Outbox(actor_id, sink, spool, variables, self._stop, delay_sampler,
                               max_waiting, ack_period_s)
@@ -175,6 +177,7 @@ class Actor(core.Worker):
             write_json_atomic(self._stats_path, {
                 **self.counters, "actor_id": self.actor_id,
                 "engine_version": self._engine.version,
+                "forced_lag_hist": list(self._weights.lag_hist),   # lags drawn, by lag
                 "rollouts_held": self._spool.held, "loss_epoch": self._outbox.loss_epoch,
                 "rejected": self._spool.refused, "env_counters": dict(self.env_counters),
                 "weight_sync_mode": self._engine.weight_sync_mode if self._feeding else "off",

@@ -8,13 +8,14 @@ generated, so it reaches the generations in flight (docs/DESIGN.md "Weight sync 
 lock makes the thread's offers and the loop's loads one sequence, so the engine's version never
 goes back. Before rollouts admitted at version P start, `catch_up(P)` makes sure the engine
 runs P (admission counts them as started there), or, with forced staleness k (a drift
-experiment), version P - k (no weight thread then).
+experiment), version P - k (no weight thread then); with a lag distribution (actors/lags.py)
+each admitted batch draws its own lag, version P - lag.
 """
 from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 from sao_actor_learner import core
 from sao_actor_learner.variables.channel import VariableClientError
@@ -28,6 +29,8 @@ class EngineWeights:
       variables: where versions come from (the actor's core.ActorCoordination).
       decode: variables' params -> the state dict the engine loads.
       forced_staleness: k >= 0 runs version P - k for rollouts admitted at P; -1: off.
+      lags: with forced staleness, a lag sampler (actors/lags.LagSampler: `draw()`,
+        `max_lag`) whose draw replaces k for each admitted batch; None: k every time.
       poll_s: how often the weight thread looks for a new version.
       stop: the actor's stop event (the thread returns soon after it is set; it sets it when
         it fails).
@@ -36,9 +39,15 @@ class EngineWeights:
 
     def __init__(self, engine: core.Engine, variables: core.VariableFollower,
                  decode: Callable, forced_staleness: int, poll_s: float,
-                 stop: threading.Event, thread_name: str = "actor-weights"):
+                 stop: threading.Event, thread_name: str = "actor-weights", lags=None):
         self._engine, self._variables, self._decode = engine, variables, decode
         self._forced_staleness = forced_staleness
+        self._lags = lags if forced_staleness >= 0 else None
+        max_lag = lags.max_lag if self._lags is not None else max(forced_staleness, 0)
+        # Forced staleness: the weights of this many recent versions stay decoded (a drawn lag
+        # further back fetches its version from the server again).
+        self._keep_decoded = min(max_lag, 6) + 2
+        self.lag_hist: List[int] = [0] * (max_lag + 1)   # lags drawn, by lag
         self._poll_s = float(poll_s)
         self._stop = stop
         self._thread_name = thread_name
@@ -82,8 +91,11 @@ class EngineWeights:
         """Before rollouts admitted at `policy_version` start: the engine runs that version (a
         newer one is fine), or version `policy_version - k` with forced staleness k."""
         if self._forced_staleness >= 0:
+            lag = self._lags.draw() if self._lags is not None else self._forced_staleness
+            with self._lock:
+                self.lag_hist[lag] += 1
             self._variables.wait_for_version(policy_version)
-            self._load_version(max(0, policy_version - self._forced_staleness))
+            self._load_version(max(0, policy_version - lag))
         elif policy_version > self._engine.version:
             self._variables.wait_for_version(policy_version)
             self.update()
@@ -98,7 +110,7 @@ class EngineWeights:
             weights = self._decode(params) if held == version else \
                 self._decode(self._variables.fetch_version(version))
             self._weights_by_version[version] = weights
-            for old in sorted(self._weights_by_version)[:-(self._forced_staleness + 2)]:
+            for old in sorted(self._weights_by_version)[:-self._keep_decoded]:
                 del self._weights_by_version[old]
         self._put(lambda: weights, version)
 

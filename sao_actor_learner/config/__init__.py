@@ -24,6 +24,7 @@ from sao_actor_learner.config.sections import (  # noqa: F401  (re-exported)
     GAE_MODES, KERNEL_BACKENDS, LAUNCH_TYPES, LEARNER_STRATEGIES, LOSS_NORMALIZATIONS,
     PROGRAM_GROUPS, TASKS, WEIGHT_SYNC_MODES, ActorConfig, ConfigError, DatasetConfig,
     EvalConfig, ProgramConfig, ReplayConfig, Section, raise_config_error)
+from sao_actor_learner.config.drift import DriftConfig, check_drift
 from sao_actor_learner.config.engine import EngineConfig
 from sao_actor_learner.config.launch import LaunchConfig, parse_ray_resources  # noqa: F401
 from sao_actor_learner.config.trackers import TRACKERS, WANDB_MODES, TrackerConfig  # noqa: F401
@@ -33,7 +34,7 @@ from sao_actor_learner.learner.registry import (  # noqa: F401 - re-exported
 from sao_actor_learner.tasks.registry import check_task, resolved_defaults, task_names
 
 SECTIONS = (ProgramConfig, ReplayConfig, ActorConfig, EngineConfig, LearnerConfig,
-            DatasetConfig, EvalConfig, LaunchConfig, TrackerConfig, NetworkConfig)
+            DatasetConfig, EvalConfig, LaunchConfig, TrackerConfig, NetworkConfig, DriftConfig)
 
 S = TypeVar("S", bound=Section)
 # Fields of earlier config.json files that no longer exist, and why reading them is harmless.
@@ -54,10 +55,11 @@ RENAMED_FIELDS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class SAOConfig(NetworkConfig, TrackerConfig, LaunchConfig, EvalConfig, DatasetConfig, LearnerConfig,
+class SAOConfig(DriftConfig, NetworkConfig, TrackerConfig, LaunchConfig, EvalConfig,
+                DatasetConfig, LearnerConfig,
                 EngineConfig, ActorConfig, ReplayConfig, ProgramConfig):
     """Every option of a run (fields in section order: program, replay, actor, engine, learner,
-    dataset, eval, launch, trackers, network)."""
+    dataset, eval, launch, trackers, network, drift)."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):   # tuples from flags may arrive as lists
@@ -188,6 +190,7 @@ class SAOConfig(NetworkConfig, TrackerConfig, LaunchConfig, EvalConfig, DatasetC
             fail(f"max_prompt_length={self.max_prompt_length}: must be in [1, "
                  f"max_sequence_length={self.max_sequence_length}) so a response fits after it")
         check_task(self, fail)   # the task's own options (its TaskSpec, tasks/registry.py)
+        check_drift(self, fail)  # the drift lab's knobs (config/drift.py)
 
     def _check_lean_choices(self, fail) -> None:
         """evaluator=in_learner and critic=shared_trunk against the rest of the config."""

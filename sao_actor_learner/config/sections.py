@@ -89,8 +89,9 @@ def at_least(section: Any, fields: Tuple[str, ...], low: float, fail: Fail,
 @dataclasses.dataclass(frozen=True)
 class ProgramConfig(Section):
     """What runs: the task, the model, how many actors, for how long."""
-    task: str = option("arithmetic", "The task: arithmetic, calculator_tool, online_shift, or "
-                       "dataset (prompts from --train_files scored by --reward).")
+    task: str = option("arithmetic", "The task: arithmetic, calculator_tool, online_shift, "
+                       "preference_drift, or dataset (prompts from --train_files scored by "
+                       "--reward).")
     seed: int = option(0, "Seeds the task split, the prompt order and the models.")
     run_dir: str = option("runs/default", "Where the run writes config.json, metrics, "
                           "checkpoints, logs and summary.json.")
@@ -137,7 +138,8 @@ class ReplayConfig(Section):
     lockstep: bool = option(False, "Synchronous RL on the same program: one batch per version, "
                             "actors idle while the learner trains (sets max_staleness 0).")
     forced_staleness: int = option(-1, "k >= 0 trains every rollout exactly k versions stale "
-                                   "(a drift experiment); -1: off.")
+                                   "(a drift experiment; the mean lag with "
+                                   "--forced_staleness_distribution); -1: off.")
     replay_checkpoints: bool = option(True, "Replay checkpoints Reverb periodically and on stop "
                                       "and restores the newest when it (re)starts.")
     replay_checkpoint_every_s: float = option(30.0, "Seconds between replay checkpoints; 0: "

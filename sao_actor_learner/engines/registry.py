@@ -40,8 +40,15 @@ class EngineSpec:
 
 def build_torch_engine(config, role: str, run_dir: Optional[str],
                        weight_sync_mode: str) -> core.Engine:
+    import torch
+
+    from sao_actor_learner.config.drift import actor_dtype
     from sao_actor_learner.engines.torch_engine import TorchEngine
-    return TorchEngine.from_checkpoint(config.model, weight_sync_mode=weight_sync_mode)
+    # Actors sample from a copy in --actor_dtype (a precision mismatch); the evaluator in float32.
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtype = actor_dtype(config) if role.startswith("actor") else "float32"
+    return TorchEngine.from_checkpoint(config.model, weight_sync_mode=weight_sync_mode,
+                                       dtype=dtypes[dtype])
 
 
 def build_vllm_engine(config, role: str, run_dir: Optional[str],

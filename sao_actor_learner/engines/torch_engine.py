@@ -17,6 +17,11 @@ Sampling is deterministic given `SamplingParams.seed`, the prompts, `max_batch_s
 weights change (one torch.Generator drives every draw of a `generate` call; seed=None draws a
 fresh random seed).
 
+Precision: an engine loaded in another dtype than the published weights' (`from_checkpoint`'s
+`dtype`, the config's --actor_dtype: a drift experiment) casts each loaded or offered tensor to
+its model's dtype first, so it samples from a bfloat16 or float16 copy of the policy and its
+log-probs are that copy's.
+
 Weights (core.Engine; docs/DESIGN.md "Weight sync modes"). `generate` and `load_weights` hold
 one lock, so `load_weights` waits for a call in flight. `offer_weights` only puts the newest
 offered (version, state dict) into a one-slot mailbox and returns; the generating thread takes
@@ -62,11 +67,14 @@ class TorchEngine(core.Engine):
       weight_sync_mode: "off", "keep" or "abort": what offered weights do to rows in flight
         (module docstring).
       tokenizer: the model's tokenizer, kept as `.tokenizer` (tasks encode prompts with it).
+      cast_weights: loaded and offered floating tensors are cast to the model's dtype of that
+        name (a lower-precision copy of the policy); False: they must match it.
     """
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
                  version: int = 0, max_batch_size: int = 64, token_limit: Optional[int] = None,
-                 weight_sync_mode: str = "off", tokenizer: Optional[core.Tokenizer] = None):
+                 weight_sync_mode: str = "off", tokenizer: Optional[core.Tokenizer] = None,
+                 cast_weights: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
         if weight_sync_mode not in core.WEIGHT_SYNC_MODES:
@@ -100,6 +108,8 @@ class TorchEngine(core.Engine):
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in forward_args
         self.tokenizer = tokenizer   # the model's (None: a bare model without one)
+        self._dtypes = {k: v.dtype for k, v in sync_state_dict(model).items()} \
+            if cast_weights else None
 
     @classmethod
     def from_checkpoint(cls, path: str, version: int = 0, max_batch_size: int = 64,
@@ -110,7 +120,8 @@ class TorchEngine(core.Engine):
         engine = cls(model, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
                      version=version, max_batch_size=max_batch_size,
                      token_limit=token_limit(model, tokenizer),
-                     weight_sync_mode=weight_sync_mode, tokenizer=tokenizer)
+                     weight_sync_mode=weight_sync_mode, tokenizer=tokenizer,
+                     cast_weights=dtype != torch.float32)
         return engine
 
     # core.Engine ------------------------------------------------------------------------------
@@ -125,6 +136,7 @@ class TorchEngine(core.Engine):
     def load_weights(self, state_dict: dict, version: int) -> None:
         """Validates `state_dict` against the model's sync state dict (names, shapes, dtypes;
         models.checkpoint.sync_state_dict) and loads it; nothing is loaded when it differs."""
+        state_dict = self._cast(state_dict)
         with self._lock, torch.no_grad():
             load_sync_state_dict(self._model, state_dict)
             self._version = int(version)
@@ -139,6 +151,7 @@ class TorchEngine(core.Engine):
         shapes and dtypes (ValueError, nothing offered); applies it at once when no generate
         call is in flight. Returns without waiting for one."""
         version = int(version)
+        state_dict = self._cast(state_dict)
         check_compatible(sync_state_dict(self._model), state_dict)
         with self._offer_lock:
             newest = max(self._version, self._offer[0] if self._offer is not None else -1)
@@ -184,6 +197,16 @@ class TorchEngine(core.Engine):
         return results
 
     # Internals --------------------------------------------------------------------------------
+    def _cast(self, state_dict: dict) -> dict:
+        """`state_dict` with floating tensors in the model's dtype of their name (cast_weights);
+        as it is otherwise (load_sync_state_dict then checks it)."""
+        if self._dtypes is None:
+            return state_dict
+        dtypes = self._dtypes
+        return {k: v.to(dtypes[k]) if k in dtypes and v.is_floating_point() and
+                dtypes[k].is_floating_point and v.dtype != dtypes[k] else v
+                for k, v in state_dict.items()}
+
     def _device(self) -> torch.device:
         return self._model.get_input_embeddings().weight.device
 

@@ -11,7 +11,8 @@ from sao_actor_learner.tasks.registry import task_names, task_spec
 
 _CLASSES = {"ArithmeticTask": "sao_actor_learner.tasks.arithmetic",
             "CalculatorToolTask": "sao_actor_learner.tasks.calculator_tool",
-            "OnlineShiftTask": "sao_actor_learner.tasks.online_shift"}
+            "OnlineShiftTask": "sao_actor_learner.tasks.online_shift",
+            "PreferenceDriftTask": "sao_actor_learner.tasks.preference_drift"}
 
 
 def make_task(name: str, seed: int = 0, **kwargs) -> core.Task:
@@ -32,5 +33,5 @@ def __getattr__(attr: str):
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
-__all__ = ["ArithmeticTask", "CalculatorToolTask", "OnlineShiftTask", "make_task", "task_names",
-           "task_spec"]
+__all__ = ["ArithmeticTask", "CalculatorToolTask", "OnlineShiftTask", "PreferenceDriftTask",
+           "make_task", "task_names", "task_spec"]

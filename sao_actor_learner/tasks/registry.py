@@ -25,6 +25,7 @@ Fail = Callable[[str], None]
 TASK_MODULES: Dict[str, str] = {
     "arithmetic": "sao_actor_learner.tasks.arithmetic",
     "online_shift": "sao_actor_learner.tasks.online_shift",
+    "preference_drift": "sao_actor_learner.tasks.preference_drift",
     "calculator_tool": "sao_actor_learner.tasks.calculator_tool",
     "dataset": "sao_actor_learner.tasks.dataset",
 }
