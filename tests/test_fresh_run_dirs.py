@@ -38,16 +38,26 @@ def _own_data(path):
     return path
 
 
-def test_a_folder_of_ones_own_data_is_refused_not_deleted(tmp_path):
+def test_a_folder_of_ones_own_data_is_refused_not_deleted(warm_start, tmp_path):
     data = _own_data(str(tmp_path / "my_data"))
     config = SAOConfig(run_dir=str(tmp_path / "run"), replay_checkpoint_dir=data,
-                       model=str(tmp_path / "no_model"))
+                       model=warm_start)
     with pytest.raises(ConfigError, match=r"--replay_checkpoint_dir: .*my_data.*did not make.*"
                                           r"empty or new folder.*remove"):
         prepare_run_dir(config)
     assert os.path.exists(os.path.join(data, "thesis.tex"))
-    # Before launch, before the model is even looked at.
+    # Before launch.
     with pytest.raises(ConfigError, match="--replay_checkpoint_dir"):
+        check_before_launch(config)
+    assert os.path.exists(os.path.join(data, "thesis.tex"))
+
+
+def test_the_run_folder_is_checked_after_the_inputs(tmp_path):
+    """A wrong input is the root cause to report; the run folder's refusal must not hide it."""
+    data = _own_data(str(tmp_path / "my_data"))
+    config = SAOConfig(run_dir=str(tmp_path / "run"), replay_checkpoint_dir=data,
+                       model=str(tmp_path / "no_model"))
+    with pytest.raises(ConfigError, match="--model"):
         check_before_launch(config)
     assert os.path.exists(os.path.join(data, "thesis.tex"))
 
