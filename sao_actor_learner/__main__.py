@@ -5,7 +5,8 @@
   sao-train --task=arithmetic ...          # the same, installed as a console script
   python programs/sao.py ...               # the same, from the repository
 
-Every field of `SAOConfig` is a flag (`--help` lists them). The config is validated before any
+Every field of `SAOConfig` is a flag (`--help` lists the key ones by section, `--helpfull`
+all). The config is validated before any
 process starts: an invalid value exits with "invalid configuration: ..." and launches nothing.
 Writes config.json, metrics.jsonl, TensorBoard events, checkpoints/ and summary.json under
 --run_dir, and prints the held-out accuracy before and after.
@@ -64,6 +65,20 @@ def main(argv):
 
 
 HELP_FLAGS = ("-h", "-?", "help", "helpshort", "helpfull", "helpxml")
+USAGE = """Trains a policy with SAO on the actor-learner program.
+
+  python programs/sao.py --task=arithmetic --max_steps=60 --run_dir=runs/main
+  (the same: sao-train ..., python -m sao_actor_learner ...)"""
+
+
+def asks_for_short_help(args) -> bool:
+    """Whether the command line asks for `--help` (or -h, -?, --helpshort): the key flags."""
+    for arg in args:
+        if arg == "--":
+            return False
+        if arg in HELP_FLAGS[:2] or arg.lstrip("-").split("=")[0] in ("help", "helpshort"):
+            return True
+    return False
 
 
 def asks_for_help(args) -> bool:
@@ -80,6 +95,10 @@ def console_main(argv=None):
     """`python -m sao_actor_learner`, the `sao-train` console script (setup.py) and
     programs/sao.py. absl exits 1 after printing a help text; asked for, it is a success."""
     argv = list(sys.argv if argv is None else argv)
+    if asks_for_short_help(argv[1:]) and not any(
+            a.lstrip("-").split("=")[0] in HELP_FLAGS[4:] for a in argv[1:]):
+        sys.stdout.write(config_flags.key_flags_help(FLAGS, USAGE))   # --helpfull: absl's
+        sys.exit(0)
     try:
         app.run(main, argv=argv)
     except SystemExit as e:
