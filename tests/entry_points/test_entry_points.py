@@ -100,3 +100,15 @@ def test_study_refuses_what_its_preset_would_ignore(tmp_path, args, message):
     assert proc.returncode == 1
     assert message in proc.stderr
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("preset", ["smoke", "staleness_sweep"])
+@pytest.mark.parametrize("same", ["equal", "another_spelling"])
+def test_study_refuses_results_dir_equal_to_out_dir_before_running(tmp_path, preset, same):
+    out = tmp_path / "study"
+    results = out if same == "equal" else tmp_path / "x" / ".." / "study"
+    proc = python(os.path.join("programs", "study.py"), f"--preset={preset}", f"--out_dir={out}",
+                  f"--results_dir={results}", "--noprogress")
+    assert proc.returncode == 1
+    assert "is the same folder as --out_dir" in proc.stderr, proc.stderr[-2000:]
+    assert not out.exists()   # nothing ran
