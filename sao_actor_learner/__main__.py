@@ -59,9 +59,19 @@ def main(argv):
         print(f"actors done: {summary['rollouts_inserted']} rollouts inserted for the learner at "
               f"{parse_service_addresses(config.service_addresses)['variables']}")
         return
-    print(f"held-out accuracy: {summary['initial_eval_accuracy']} (warm start) -> "
+    start = "warm start" if is_warm_start(config) else "pretrained model"
+    print(f"held-out accuracy: {summary['initial_eval_accuracy']} ({start}) -> "
           f"{summary['final_eval_accuracy']} after {summary['steps']} steps "
           f"in {summary['wall_time_s']:.0f}s; summary at {config.run_dir}/summary.json")
+    print(f"Reading it: README.md, section \"Reading a run\" (the progress line, the metrics "
+          f"to watch, what a drift alarm means); curves: tensorboard --logdir "
+          f"{os.path.join(config.run_dir, 'tb')}")
+
+
+def is_warm_start(config: SAOConfig) -> bool:
+    """Whether the run started from one of this project's SFT warm starts (programs/sft.py
+    writes warm_start.json), not from a pretrained model of one's own."""
+    return os.path.exists(os.path.join(config.model, "warm_start.json"))
 
 
 HELP_FLAGS = ("-h", "-?", "help", "helpshort", "helpfull", "helpxml")

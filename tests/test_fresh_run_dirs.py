@@ -128,6 +128,7 @@ def test_the_program_runs_twice_into_one_run_folder(warm_start, tmp_path):
         proc = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env,
                               timeout=300)
         assert proc.returncode == 0, (attempt, proc.stderr[-3000:])
-        assert "held-out accuracy" in proc.stdout
+        assert "held-out accuracy" in proc.stdout and "(warm start)" in proc.stdout
+        assert 'README.md, section "Reading a run"' in proc.stdout   # where a run ends
         assert os.listdir(replay), "the replay node wrote no checkpoint"   # Reverb's own files
     assert is_owned(str(replay), str(run))
