@@ -19,6 +19,7 @@ $SAO_ROLLOUT_SECRET from the environment. No secret is written to config.json or
 """
 import json
 import os
+import shutil
 import sys
 
 from absl import app, flags
@@ -51,6 +52,9 @@ def main(argv):
         config = config_flags.config_from_flags(SAOConfig)
         if FLAGS.auth_token is not None:   # the nodes read it from the environment they inherit
             os.environ["SAO_AUTH_TOKEN"] = FLAGS.auth_token
+        note = cpu_generation_note(config)
+        if note:
+            print(note, file=sys.stderr)
         summary = run_program(config, make_program, progress=FLAGS.progress)
     except ConfigError as e:
         sys.exit(f"invalid configuration: {e}")
@@ -66,6 +70,21 @@ def main(argv):
     print(f"Reading it: README.md, section \"Reading a run\" (the progress line, the metrics "
           f"to watch, what a drift alarm means); curves: tensorboard --logdir "
           f"{os.path.join(config.run_dir, 'tb')}")
+
+
+def cpu_generation_note(config: SAOConfig) -> str:
+    """A note for a GPU machine (nvidia-smi on the PATH) where generation would still run on the
+    CPU: the torch engine generates in float32 on the CPU (docs/USAGE.md section 2); "" else."""
+    if not shutil.which("nvidia-smi"):
+        return ""
+    if config.engine == "torch":
+        return ("note: this machine has a GPU, but --engine=torch generates on the CPU in "
+                "float32 (actors and evaluator; the learner trains on the GPU): --engine=vllm "
+                "generates on the GPU (`make vllm-env`; docs/USAGE.md section 5)")
+    if config.evaluator == "node" and not config.vllm_evaluator:
+        return ("note: the evaluator keeps the torch engine, on the CPU in float32: "
+                "--vllm_evaluator evaluates with vLLM on the GPU")
+    return ""
 
 
 def is_warm_start(config: SAOConfig) -> bool:

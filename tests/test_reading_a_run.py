@@ -1,8 +1,10 @@
 """What a run tells its user: the phase it is in while no step shows progress (run.phase), the
-pointer to README's "Reading a run" at its end, and that section's content."""
+pointer to README's "Reading a run" at its end, and that section's content; on a GPU machine,
+that generation stays on the CPU with the torch engine."""
 import os
 import re
 
+from sao_actor_learner import __main__ as entry
 from sao_actor_learner.__main__ import is_warm_start
 from sao_actor_learner.config import SAOConfig
 from sao_actor_learner.run import phase
@@ -47,3 +49,14 @@ def test_readme_explains_the_progress_line_alarms_and_tensorboard():
     for part in ("step", "reward", "stale", "kl", "ev", "eval@"):
         assert f"`{part}" in section, part
     assert "tensorboard --logdir" in section and "drift_alarm" in section
+
+
+def test_a_gpu_machine_is_told_when_generation_stays_on_the_cpu(monkeypatch):
+    config = SAOConfig()
+    monkeypatch.setattr(entry.shutil, "which", lambda name: None)    # no GPU: nothing to say
+    assert entry.cpu_generation_note(config) == ""
+    monkeypatch.setattr(entry.shutil, "which", lambda name: "/usr/bin/" + name)
+    assert "--engine=vllm" in entry.cpu_generation_note(config)
+    vllm = config.replace(engine="vllm")
+    assert "--vllm_evaluator" in entry.cpu_generation_note(vllm)
+    assert entry.cpu_generation_note(vllm.replace(vllm_evaluator=True)) == ""
