@@ -9,8 +9,9 @@ learner's checkpoint writer) puts the marker file `MARKER` in it first. A folder
 a dependency manages is never marked inside (Reverb's checkpointer deletes every file of the
 replay checkpoint folder it did not write, a marker included): the run records it instead, in
 the run folder's own `RECORD` file (`make_recorded_dir`), and a fresh run clears what the record
-names. A missing or empty folder is fine; anything else there without the marker (a folder of one's own data given as
-`--replay_checkpoint_dir`, say, or a run folder of a version before the marker) is a ConfigError
+names. A missing or empty folder is fine; anything else there without the marker or a record (a
+folder of one's own data given as `--replay_checkpoint_dir`, say, or a run folder of a version
+before the marker) is a ConfigError
 naming the flag and the folder, raised before anything is deleted (`check_fresh_run`, also run by
 preflight.check_before_launch).
 

@@ -1,9 +1,9 @@
 """The defaults the README and docs quote are the config's: every table with a `default` column
-(`| --flag | default | ... |`, several flags in one cell take comma-separated defaults) and every
+(`| --flag | default | ... |`, several flags in one cell take comma-separated defaults), every
 phrase that names a default ("`X=Y` (default)", "`X=Y` is the default", "`X` (default V)",
-"`X = K` (default V)", "x_y   (default V)" in a formula) and every field of docs/DESIGN.md's per-section lists ("**Actor**
-(`ActorConfig`): `actor_batch` (8), ...") is read and checked against SAOConfig's field defaults, so the docs stay
-true when a default changes. A field left at 0 or "" for its task's default may be quoted as
+"`X = K` (default V)", "x_y   (default V)" in a formula) and every field of docs/DESIGN.md's
+per-section lists ("**Actor** (`ActorConfig`): `actor_batch` (8), ...") is read and checked
+against SAOConfig's field defaults, so the docs stay true when a default changes. A field left at 0 or "" for its task's default may be quoted as
 that task's value ("0 (= 2 * batch)", "0: the task's"): the first token is what is checked."""
 import dataclasses
 import glob
