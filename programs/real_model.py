@@ -104,8 +104,8 @@ def greedy_accuracy(model_dir: str, eval_files, eval_size: int, max_new_tokens: 
                 if len(examples) < 4:
                     examples.append({"ground_truth": prompt.answer.ground_truth, "score": score,
                                      "response": tokenizer.decode_response(gen.tokens)})
-            logging.info("evaluated %d/%d (%.0f s)", len(scores), len(prompts),
-                         time.time() - start)
+            print(f"evaluated {len(scores)}/{len(prompts)} problems ({time.time() - start:.0f} s)",
+                  flush=True)
     finally:
         task.close()
     n = len(scores)
@@ -127,6 +127,8 @@ def main(argv) -> None:
     torch.set_num_threads(FLAGS.threads)
     hf_logging.disable_progress_bar()      # one bar per tensor group, per load and save
     if FLAGS.reconvert or not already_converted(FLAGS.gguf, FLAGS.out_dir):
+        print(f"converting {FLAGS.gguf} to a Hugging Face model directory {FLAGS.out_dir}",
+              flush=True)
         start = time.time()
         record = convert_gguf(FLAGS.gguf, FLAGS.out_dir)
         logging.info("converted %s -> %s in %.0f s (%d parameters)", record["gguf_file"],
@@ -144,6 +146,9 @@ def main(argv) -> None:
                     "system_prompt": FLAGS.system_prompt,
                     "instruction_suffix": FLAGS.instruction_suffix,
                     "decoding": "greedy", "threads": FLAGS.threads}
+        print(f"evaluating the pretrained model {FLAGS.out_dir} on {FLAGS.eval_size} held-out "
+              "problems (greedy; measured 187 s on 2 cores, up to 15-25 min on busy ones; once: "
+              f"kept in {REPORT_FILE})", flush=True)
         metrics = greedy_accuracy(FLAGS.out_dir, FLAGS.eval_files, FLAGS.eval_size,
                                   FLAGS.max_new_tokens, FLAGS.reward, FLAGS.system_prompt,
                                   FLAGS.instruction_suffix, FLAGS.batch_size)

@@ -4,7 +4,8 @@
   python programs/sao.py --task=arithmetic --max_steps=60 --num_actors=2 --max_staleness=4 \
       --launch=local_mp --run_dir=runs/main --seed=0
 
-Every field of `SAOConfig` is a flag (`--help` lists them). The config is validated before any
+Every field of `SAOConfig` is a flag (`--help` lists the key ones by section, `--helpfull`
+all). The config is validated before any
 process starts. Writes config.json, metrics.jsonl, TensorBoard events, checkpoints/ and
 summary.json under --run_dir, and prints the held-out accuracy before and after.
 
@@ -18,7 +19,7 @@ from absl import flags
 
 from sao_actor_learner import __main__ as entry
 
-flags.adopt_module_key_flags(entry)   # --help lists the program's flags
+flags.adopt_module_key_flags(entry)   # --helpshort of absl lists the program's flags
 
 if __name__ == "__main__":
     entry.console_main()

@@ -91,7 +91,7 @@ flags.DEFINE_string("out_dir", "", "Where runs/ and the outputs go (default: run
                     "sweep's own: runs/staleness_sweep, runs/value_pretrain, runs/online_shift).")
 flags.DEFINE_string("results_dir", "", "Also copy each study's CSV, JSON, Markdown and PNG "
                     "files to <results_dir>/<study>/ (e.g. results/study); a sweep's CSV and "
-                    "PNG files to <results_dir>/.")
+                    "PNG files to <results_dir>/; another folder than --out_dir.")
 flags.DEFINE_list("seeds", [], "Seeds of every study (default: the study's own, 3 of them) "
                   "or of the sweep (default: its --size's).")
 flags.DEFINE_string("dataset_dir", studies.DATASET_DIR, "The dataset studies' data: "
@@ -144,6 +144,20 @@ def check_given_flags(sweep) -> None:
         what = f"the {sweep.name} preset" if sweep else "a study"
         raise ConfigError(f"{what} does not take {', '.join('--' + n for n in refused)}: it "
                           "sets it per run or does not read it (see --helpfull)")
+
+
+def check_folders() -> None:
+    """--results_dir must be another folder than --out_dir: the outputs are copied from the one
+    into the other (a file copied onto itself is an error), checked before anything runs."""
+    if not FLAGS.results_dir:
+        return
+    out, results = (os.path.realpath(p) for p in (FLAGS.out_dir, FLAGS.results_dir))
+    if out == results or (os.path.isdir(FLAGS.out_dir) and os.path.isdir(FLAGS.results_dir)
+                          and os.path.samefile(FLAGS.out_dir, FLAGS.results_dir)):
+        raise ConfigError(f"--results_dir={FLAGS.results_dir!r} is the same folder as --out_dir="
+                          f"{FLAGS.out_dir!r}: the outputs are copied from --out_dir into "
+                          "--results_dir; give another --results_dir (e.g. results/study) or "
+                          "drop it")
 
 
 def run_sweep(sweep) -> None:
@@ -305,6 +319,10 @@ def main(argv):
     sweep = sweep_presets.SWEEPS.get(FLAGS.preset.strip())
     if not FLAGS.out_dir:
         FLAGS.out_dir = sweep.out_dir if sweep else STUDY_OUT_DIR
+    try:
+        check_folders()
+    except ConfigError as e:
+        sys.exit(f"invalid configuration: {e}")
     if sweep is not None:
         run_sweep(sweep)
         return

@@ -5,7 +5,8 @@
   sao-train --task=arithmetic ...          # the same, installed as a console script
   python programs/sao.py ...               # the same, from the repository
 
-Every field of `SAOConfig` is a flag (`--help` lists them). The config is validated before any
+Every field of `SAOConfig` is a flag (`--help` lists the key ones by section, `--helpfull`
+all). The config is validated before any
 process starts: an invalid value exits with "invalid configuration: ..." and launches nothing.
 Writes config.json, metrics.jsonl, TensorBoard events, checkpoints/ and summary.json under
 --run_dir, and prints the held-out accuracy before and after.
@@ -18,6 +19,7 @@ $SAO_ROLLOUT_SECRET from the environment. No secret is written to config.json or
 """
 import json
 import os
+import shutil
 import sys
 
 from absl import app, flags
@@ -50,6 +52,9 @@ def main(argv):
         config = config_flags.config_from_flags(SAOConfig)
         if FLAGS.auth_token is not None:   # the nodes read it from the environment they inherit
             os.environ["SAO_AUTH_TOKEN"] = FLAGS.auth_token
+        note = cpu_generation_note(config)
+        if note:
+            print(note, file=sys.stderr)
         summary = run_program(config, make_program, progress=FLAGS.progress)
     except ConfigError as e:
         sys.exit(f"invalid configuration: {e}")
@@ -58,12 +63,51 @@ def main(argv):
         print(f"actors done: {summary['rollouts_inserted']} rollouts inserted for the learner at "
               f"{parse_service_addresses(config.service_addresses)['variables']}")
         return
-    print(f"held-out accuracy: {summary['initial_eval_accuracy']} (warm start) -> "
+    start = "warm start" if is_warm_start(config) else "pretrained model"
+    print(f"held-out accuracy: {summary['initial_eval_accuracy']} ({start}) -> "
           f"{summary['final_eval_accuracy']} after {summary['steps']} steps "
           f"in {summary['wall_time_s']:.0f}s; summary at {config.run_dir}/summary.json")
+    print(f"Reading it: README.md, section \"Reading a run\" (the progress line, the metrics "
+          f"to watch, what a drift alarm means); curves: tensorboard --logdir "
+          f"{os.path.join(config.run_dir, 'tb')}")
+
+
+def cpu_generation_note(config: SAOConfig) -> str:
+    """A note for a GPU machine (nvidia-smi on the PATH) where generation would still run on the
+    CPU: the torch engine generates in float32 on the CPU (docs/USAGE.md section 2); "" else."""
+    if not shutil.which("nvidia-smi"):
+        return ""
+    if config.engine == "torch":
+        return ("note: this machine has a GPU, but --engine=torch generates on the CPU in "
+                "float32 (actors and evaluator; the learner trains on the GPU): --engine=vllm "
+                "generates on the GPU (`make vllm-env`; docs/USAGE.md section 5)")
+    if config.evaluator == "node" and not config.vllm_evaluator:
+        return ("note: the evaluator keeps the torch engine, on the CPU in float32: "
+                "--vllm_evaluator evaluates with vLLM on the GPU")
+    return ""
+
+
+def is_warm_start(config: SAOConfig) -> bool:
+    """Whether the run started from one of this project's SFT warm starts (programs/sft.py
+    writes warm_start.json), not from a pretrained model of one's own."""
+    return os.path.exists(os.path.join(config.model, "warm_start.json"))
 
 
 HELP_FLAGS = ("-h", "-?", "help", "helpshort", "helpfull", "helpxml")
+USAGE = """Trains a policy with SAO on the actor-learner program.
+
+  python programs/sao.py --task=arithmetic --max_steps=60 --run_dir=runs/main
+  (the same: sao-train ..., python -m sao_actor_learner ...)"""
+
+
+def asks_for_short_help(args) -> bool:
+    """Whether the command line asks for `--help` (or -h, -?, --helpshort): the key flags."""
+    for arg in args:
+        if arg == "--":
+            return False
+        if arg in HELP_FLAGS[:2] or arg.lstrip("-").split("=")[0] in ("help", "helpshort"):
+            return True
+    return False
 
 
 def asks_for_help(args) -> bool:
@@ -80,6 +124,10 @@ def console_main(argv=None):
     """`python -m sao_actor_learner`, the `sao-train` console script (setup.py) and
     programs/sao.py. absl exits 1 after printing a help text; asked for, it is a success."""
     argv = list(sys.argv if argv is None else argv)
+    if asks_for_short_help(argv[1:]) and not any(
+            a.lstrip("-").split("=")[0] in HELP_FLAGS[4:] for a in argv[1:]):
+        sys.stdout.write(config_flags.key_flags_help(FLAGS, USAGE))   # --helpfull: absl's
+        sys.exit(0)
     try:
         app.run(main, argv=argv)
     except SystemExit as e:

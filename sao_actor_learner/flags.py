@@ -1,8 +1,10 @@
 """absl flags generated from a config dataclass: every field is a flag with its default and
-its one-sentence help (declared with `config.sections.option`)."""
+its one-sentence help (declared with `config.sections.option`); `key_flags_help`, the text of
+`--help`: the flags that matter, by section (`--helpfull` lists all)."""
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 import typing
 
 from absl import flags
@@ -51,3 +53,38 @@ def config_from_flags(cls, flag_values=flags.FLAGS, **overrides):
     kwargs = {n: flag_values[n].value for n in names}
     kwargs.update(overrides)
     return cls(**kwargs)
+
+
+# What `--help` shows, by section: the flags a first run and its usual changes need.
+KEY_FLAGS = (
+    ("run", ("run_dir", "max_steps", "seed", "resume", "profile", "progress", "eval_every",
+             "eval_size")),
+    ("task", ("task", "model", "train_files", "eval_files", "reward", "max_new_tokens",
+              "max_sequence_length")),
+    ("algorithm", ("algorithm", "group_size", "batch_size", "policy_lr", "critic_lr", "critic",
+                   "lora_rank")),
+    ("staleness", ("max_staleness", "admission_control", "lockstep", "forced_staleness",
+                   "queue_capacity")),
+    ("engine", ("engine", "dtype", "actor_batch", "temperature", "weight_sync_mode")),
+    ("launch", ("launch", "num_actors", "learners", "evaluator", "threads_per_process",
+                "auth_token")),
+)
+
+
+def key_flags_help(flag_values=flags.FLAGS, usage: str = "") -> str:
+    """`usage`, then KEY_FLAGS by section with each flag's default and help, then where the
+    rest are (`--helpfull`)."""
+    lines = [usage.rstrip(), ""] if usage else []
+    for section, names in KEY_FLAGS:
+        lines.append(f"{section}:")
+        for name in names:
+            flag = flag_values[name]
+            shown = f"--[no]{name}" if flag.boolean else f"--{name}"
+            default = flag.default_as_str or "''"
+            lines.append(f"  {shown} (default: {default})")
+            lines.extend(textwrap.wrap(flag.help, width=96, initial_indent="      ",
+                                       subsequent_indent="      "))
+        lines.append("")
+    lines.append("--helpfull lists every flag. README.md, \"Reading a run\", explains the "
+                 "progress line\nand the metrics.")
+    return "\n".join(lines) + "\n"

@@ -1,12 +1,11 @@
 """Checks that run before a program launches, so bad input fails before any node starts.
 
 `check_before_launch(config)` runs in the launcher process. Its cheap part needs only the file
-system: a fresh run would delete only folders this project made (run_dirs.py); the model
-directory has a config (a JSON object), a tokenizer and intact weights (every safetensors header
-read, the file's size checked against it, the embedding against vocab_size); a critic directory
-has a config and intact weights, the policy's model_type, sizes and vocab_size, and no tokenizer
-or the policy's (models/model_dir.check_critic_dir). Checks that
-need the model's tokenizer or architecture (which import torch and transformers, ~300 MB the
+system: the model directory has a config (a JSON object), a tokenizer and intact weights
+(every safetensors header read, the file's size checked against it, the embedding against
+vocab_size); a critic directory has a config and intact weights, the policy's model_type, sizes
+and vocab_size, and no tokenizer or the policy's (models/model_dir.check_critic_dir). Checks
+that need the model's tokenizer or architecture (which import torch and transformers, ~300 MB the
 launcher would keep for the whole run) run in a short-lived subprocess (`python -m
 sao_actor_learner.preflight`, the config as JSON on stdin):
   - the critic's frozen-parameter patterns each match a parameter of the critic's body;
@@ -26,6 +25,8 @@ fields it reads (MODEL_CHECK_FIELDS), the model and critic directories' files an
 files' stamps: a second launch on the same inputs (a benchmark's repeats, a resumed run) starts
 without it (~7 s of imports and tokenizing). A failed verdict is never kept, and a reward from
 a file ("file.py:fn") always runs the checks (what that file imports is not tracked).
+Last of all, after every input (so a refusal there never hides a wrong input): a fresh run
+would delete only folders this project made (run_dirs.py).
 """
 from __future__ import annotations
 
@@ -71,8 +72,15 @@ def needs_model_checks(config: SAOConfig) -> bool:
 
 def check_before_launch(config: SAOConfig) -> Dict:
     """Raises ConfigError naming what to change; returns what the checks measured (dataset
-    row counts, over-long prompts left out)."""
+    row counts, over-long prompts left out). The inputs are checked first, the run folder last:
+    a refusal to clear it is about where the run goes, and must not hide a wrong input."""
+    stats = check_inputs(config)
     check_fresh_run(config)   # a fresh run deletes only folders this project made
+    return stats
+
+
+def check_inputs(config: SAOConfig) -> Dict:
+    """The checks of check_before_launch but the run folder's."""
     check_trackers(config)    # each --tracker imports (else: the pip extra) and can start
     try:
         check_model_dir(config.model, "--model")

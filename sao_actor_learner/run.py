@@ -14,6 +14,24 @@ from sao_actor_learner.preflight import check_before_launch
 from sao_actor_learner.split_launch import RemoteTraining, runs_remote_learner
 
 
+def phase(config: SAOConfig, train, evals, pretrain) -> str:
+    """What the run is doing while no step is logged, or after the last one (what a slow start
+    is spent on); "" while it trains. From the metrics rows alone."""
+    evaluates = config.evaluator in ("node", "in_learner")
+    evaluated = {r["policy_version"] for r in evals}
+    if pretrain and not any(r.get("kind") == "value_pretrain_done" for r in pretrain):
+        return "value pretraining"
+    if not train:
+        if evaluates and 0 not in evaluated:
+            return (f"loading; initial evaluation of version 0 on {config.eval_size} problems; "
+                    "actors generating the first batch")
+        return f"actors generating the first batch ({config.batch_size} rollouts)"
+    if train[-1]["step"] >= config.max_steps and evaluates and \
+            config.max_steps not in evaluated:
+        return f"final evaluation on {config.eval_size} problems"
+    return ""
+
+
 def _progress_line(config: SAOConfig, run_dir: str, t0: float) -> str:
     train = read_metrics(run_dir, "train")
     evals = read_metrics(run_dir, "eval")
@@ -21,6 +39,11 @@ def _progress_line(config: SAOConfig, run_dir: str, t0: float) -> str:
     width = 30
     done = int(width * step / config.max_steps)
     line = f"[{'#' * done}{'.' * (width - done)}] step {step}/{config.max_steps}"
+    pretrain = read_metrics(run_dir, "value_pretrain") + read_metrics(run_dir,
+                                                                      "value_pretrain_done")
+    doing = phase(config, train, evals, pretrain)
+    if doing:
+        line += f" ({doing})"
     if train:
         last = train[-1]
         line += (f" reward {last.get('reward_mean', 0):.2f} stale {last.get('staleness_mean', 0):.2f}"
@@ -28,6 +51,14 @@ def _progress_line(config: SAOConfig, run_dir: str, t0: float) -> str:
     if evals:
         line += f" eval@{evals[-1]['policy_version']} {evals[-1]['eval_accuracy']:.3f}"
     return line + f" {time.time() - t0:.0f}s"
+
+
+def show(line: str, shown: int) -> int:
+    """Writes `line` over the progress line on screen (`shown` characters long, blanked where
+    the new one is shorter); returns its length."""
+    sys.stdout.write("\r" + line.ljust(shown))
+    sys.stdout.flush()
+    return len(line)
 
 
 def summarize(config: SAOConfig, run_dir: str, wall_time_s: float,
@@ -169,6 +200,7 @@ def run_program(config: SAOConfig, make_program, progress: bool = True,
     launched = lp.launch(program, launch_type=config.launch, run_dir=run_dir,
                          terminal_groups=None if remote else terminal_groups, env=node_env,
                          **launch_options(config))   # restarts, bind host, Ray
+    shown = 0   # the progress line's length on screen
     try:
         if on_launch is not None:
             on_launch(launched)
@@ -178,14 +210,14 @@ def run_program(config: SAOConfig, make_program, progress: bool = True,
             if remote is not None and remote.finished():
                 launched.stop()   # the actors of a launch without the learner: it is done
             if progress:
-                sys.stdout.write("\r" + _progress_line(config, run_dir, t0))
-                sys.stdout.flush()
+                shown = show(_progress_line(config, run_dir, t0), shown)
     finally:
         launched.stop()
         if remote is not None:
             remote.close()
     if progress:
-        sys.stdout.write("\r" + _progress_line(config, run_dir, t0) + "\n")
+        shown = show(_progress_line(config, run_dir, t0), shown)
+        sys.stdout.write("\n")
     summary = summarize(config, run_dir, time.time() - t0, preflight)
     write_json_atomic(os.path.join(run_dir, "summary.json"), summary)
     return summary

@@ -5,9 +5,13 @@ and journal folders (`<run_dir>/checkpoints/step_*`, `journal*`), the actors' sp
 (`<run_dir>/spool`), the replay checkpoint (`--replay_checkpoint_dir`, default
 `<run_dir>/checkpoints/replay`) and the variable server's state (`<run_dir>/checkpoints/variables`).
 It deletes only folders this project made: whoever makes one of them (`make_owned_dir`, the
-learner's checkpoint writer) puts the marker file `MARKER` in it first. A missing or empty
-folder is fine; anything else there without the marker (a folder of one's own data given as
-`--replay_checkpoint_dir`, say, or a run folder of a version before the marker) is a ConfigError
+learner's checkpoint writer) puts the marker file `MARKER` in it first. A folder whose contents
+a dependency manages is never marked inside (Reverb's checkpointer deletes every file of the
+replay checkpoint folder it did not write, a marker included): the run records it instead, in
+the run folder's own `RECORD` file (`make_recorded_dir`), and a fresh run clears what the record
+names. A missing or empty folder is fine; anything else there without the marker or a record (a
+folder of one's own data given as `--replay_checkpoint_dir`, say, or a run folder of a version
+before the marker) is a ConfigError
 naming the flag and the folder, raised before anything is deleted (`check_fresh_run`, also run by
 preflight.check_before_launch).
 
@@ -16,6 +20,7 @@ Standard library only (the launcher runs it).
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 from typing import List, Optional, Tuple
@@ -25,6 +30,11 @@ from sao_actor_learner.config import ConfigError, SAOConfig
 MARKER = ".sao_actor_learner"
 _MARKER_TEXT = ("Made by sao-actor-learner: a fresh run (without --resume) may delete this "
                 "folder and everything in it.\n")
+
+
+# In the run folder: the folders the run made whose contents a dependency manages (JSON list of
+# paths, relative to the run folder when inside it).
+RECORD = ".sao_actor_learner_dirs.json"
 
 
 def replay_checkpoint_dir(config: SAOConfig, run_dir: Optional[str] = None) -> str:
@@ -58,8 +68,51 @@ def make_owned_dir(path: str) -> str:
     return path
 
 
-def is_owned(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MARKER))
+def is_owned(path: str, run_dir: Optional[str] = None) -> bool:
+    """Whether this project made the folder `path`: it holds the marker, or the record of
+    `run_dir` names it."""
+    return os.path.isfile(os.path.join(path, MARKER)) or (
+        run_dir is not None and _record_entry(path, run_dir) in _read_record(run_dir))
+
+
+def _record_entry(path: str, run_dir: str) -> str:
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(run_dir))
+    return os.path.abspath(path) if rel == ".." or rel.startswith(".." + os.sep) else rel
+
+
+def _read_record(run_dir: str) -> List[str]:
+    try:
+        with open(os.path.join(run_dir, RECORD)) as f:
+            entries = json.load(f)
+    except (OSError, ValueError):   # none yet (or torn): nothing recorded
+        return []
+    return [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
+
+
+def _write_record(run_dir: str, entries: List[str]) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, RECORD)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(sorted(set(entries)), f)
+    os.replace(tmp, path)
+
+
+def make_recorded_dir(path: str, run_dir: str) -> str:
+    """make_owned_dir for a folder whose contents a dependency manages (and may delete): the
+    mark goes into run_dir's RECORD, not into the folder. Recorded when this call made it or
+    found it empty; a folder that already holds something keeps its standing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if not os.path.isdir(path) or os.listdir(path):
+            return path
+    entry = _record_entry(path, run_dir)
+    entries = _read_record(run_dir)
+    if entry not in entries:
+        _write_record(run_dir, entries + [entry])
+    return path
 
 
 def fresh_run_paths(config: SAOConfig, run_dir: Optional[str] = None) -> List[Tuple[str, str]]:
@@ -75,12 +128,13 @@ def fresh_run_paths(config: SAOConfig, run_dir: Optional[str] = None) -> List[Tu
     return paths
 
 
-def check_clearable(path: str, flag: str) -> None:
-    """Raises ConfigError unless `path` is missing, an empty folder, or a folder we marked."""
+def check_clearable(path: str, flag: str, run_dir: Optional[str] = None) -> None:
+    """Raises ConfigError unless `path` is missing, an empty folder, or a folder we marked (or
+    run_dir's record names)."""
     if not os.path.lexists(path):
         return
     if os.path.isdir(path) and not os.path.islink(path):
-        if is_owned(path) or not os.listdir(path):
+        if is_owned(path, run_dir) or not os.listdir(path):
             return
         what = "a folder this project did not make (it has no " + MARKER + " marker)"
     else:
@@ -96,15 +150,22 @@ def check_fresh_run(config: SAOConfig, run_dir: Optional[str] = None) -> None:
     --resume, which deletes nothing)."""
     if config.resume:
         return
+    run_dir = run_dir or config.run_dir
     for path, flag in fresh_run_paths(config, run_dir):
-        check_clearable(path, flag)
+        check_clearable(path, flag, run_dir)
 
 
 def clear_fresh_run(config: SAOConfig, run_dir: Optional[str] = None) -> None:
-    """Checks every folder a fresh run clears (check_fresh_run), then deletes them."""
+    """Checks every folder a fresh run clears (check_fresh_run), then deletes them (and their
+    entries in the record: a folder made there later is recorded again by whoever makes it)."""
+    run_dir = run_dir or config.run_dir
     paths = fresh_run_paths(config, run_dir)
     for path, flag in paths:
-        check_clearable(path, flag)
+        check_clearable(path, flag, run_dir)
     for path, _ in paths:
         if os.path.isdir(path):
             shutil.rmtree(path)
+    entries = _read_record(run_dir)
+    kept = [e for e in entries if e not in {_record_entry(p, run_dir) for p, _ in paths}]
+    if kept != entries:
+        _write_record(run_dir, kept)

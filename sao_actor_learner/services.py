@@ -9,7 +9,8 @@ import os
 from typing import Optional
 
 from sao_actor_learner.config import SAOConfig
-from sao_actor_learner.run_dirs import make_owned_dir, replay_checkpoint_dir, variables_state_dir
+from sao_actor_learner.run_dirs import (make_owned_dir, make_recorded_dir, replay_checkpoint_dir,
+                                        variables_state_dir)
 
 __all__ = ["make_replay_server", "make_variable_server", "tls_files",
            "variables_client_security", "server_keep_versions", "publisher_shm"]
@@ -19,8 +20,11 @@ def make_replay_server(config: SAOConfig, port: int = 0, run_dir: Optional[str] 
     """The replay node; with config.replay_checkpoints it restores the newest Reverb checkpoint
     in replay_checkpoint_dir when it starts and writes one periodically and when it stops."""
     from sao_actor_learner.replay import ReplayServer
-    checkpoint_dir = make_owned_dir(replay_checkpoint_dir(config, run_dir)) \
-        if config.replay_checkpoints else None   # marked: a fresh run may clear it (run_dirs)
+    # Recorded in the run folder, not marked inside: Reverb's checkpointer deletes every file
+    # there it did not write (run_dirs.py); a fresh run may clear it.
+    checkpoint_dir = make_recorded_dir(replay_checkpoint_dir(config, run_dir),
+                                       run_dir or config.run_dir) \
+        if config.replay_checkpoints else None
     return ReplayServer(config.effective_queue_capacity, port=port, checkpoint_dir=checkpoint_dir,
                         checkpoint_every_s=config.replay_checkpoint_every_s if checkpoint_dir
                         else 0.0)

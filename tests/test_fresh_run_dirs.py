@@ -3,6 +3,8 @@ data given as --replay_checkpoint_dir (or found where the run keeps its spools, 
 journal) is a ConfigError naming the flag and the folder, raised before launch and before
 anything is deleted; folders the nodes made carry a marker and are cleared."""
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -11,10 +13,17 @@ from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.learner.journal import ReaderJournal, journal_dir
 from sao_actor_learner.preflight import check_before_launch
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def make_owned_dir(path):
     from sao_actor_learner.run_dirs import make_owned_dir
     return make_owned_dir(path)
+
+
+def is_owned(path, run_dir):
+    from sao_actor_learner.run_dirs import is_owned
+    return is_owned(path, run_dir)
 
 
 def _marker():
@@ -29,16 +38,26 @@ def _own_data(path):
     return path
 
 
-def test_a_folder_of_ones_own_data_is_refused_not_deleted(tmp_path):
+def test_a_folder_of_ones_own_data_is_refused_not_deleted(warm_start, tmp_path):
     data = _own_data(str(tmp_path / "my_data"))
     config = SAOConfig(run_dir=str(tmp_path / "run"), replay_checkpoint_dir=data,
-                       model=str(tmp_path / "no_model"))
+                       model=warm_start)
     with pytest.raises(ConfigError, match=r"--replay_checkpoint_dir: .*my_data.*did not make.*"
                                           r"empty or new folder.*remove"):
         prepare_run_dir(config)
     assert os.path.exists(os.path.join(data, "thesis.tex"))
-    # Before launch, before the model is even looked at.
+    # Before launch.
     with pytest.raises(ConfigError, match="--replay_checkpoint_dir"):
+        check_before_launch(config)
+    assert os.path.exists(os.path.join(data, "thesis.tex"))
+
+
+def test_the_run_folder_is_checked_after_the_inputs(tmp_path):
+    """A wrong input is the root cause to report; the run folder's refusal must not hide it."""
+    data = _own_data(str(tmp_path / "my_data"))
+    config = SAOConfig(run_dir=str(tmp_path / "run"), replay_checkpoint_dir=data,
+                       model=str(tmp_path / "no_model"))
+    with pytest.raises(ConfigError, match="--model"):
         check_before_launch(config)
     assert os.path.exists(os.path.join(data, "thesis.tex"))
 
@@ -69,8 +88,10 @@ def test_folders_the_nodes_made_are_cleared_and_empty_ones_are_fine(tmp_path):
     run = tmp_path / "run"
     config = SAOConfig(run_dir=str(run), replay_checkpoint_dir=str(tmp_path / "replay_ckpt"))
     os.makedirs(tmp_path / "replay_ckpt")              # an empty folder may be used
-    server = make_replay_server(config, run_dir=str(run))   # marks it (does not start)
-    assert os.path.exists(os.path.join(server.checkpoint_dir, _marker()))
+    server = make_replay_server(config, run_dir=str(run))   # records it (does not start)
+    # Recorded in the run folder, never marked inside: Reverb manages what is in there.
+    assert not os.path.exists(os.path.join(server.checkpoint_dir, _marker()))
+    assert is_owned(server.checkpoint_dir, str(run))
     _own_data(server.checkpoint_dir)
     journal = ReaderJournal(journal_dir(str(run / "checkpoints")), 0)   # the learner's journal
     journal.record([1, 2, 3])
@@ -90,3 +111,24 @@ def test_a_folder_that_already_holds_something_is_not_marked(tmp_path):
     assert not os.path.exists(os.path.join(data, _marker()))
     with pytest.raises(ConfigError):
         prepare_run_dir(SAOConfig(run_dir=str(tmp_path / "run"), replay_checkpoint_dir=data))
+
+
+def test_the_program_runs_twice_into_one_run_folder(warm_start, tmp_path):
+    """The real program with the real replay server, whose checkpointer deletes what it did not
+    write in the replay checkpoint folder: a second fresh run into the same --run_dir clears
+    the first's folders and runs (it used to refuse the project's own replay folder)."""
+    run = tmp_path / "run"
+    args = [sys.executable, os.path.join(REPO, "programs", "sao.py"), "--task=arithmetic",
+            f"--init_checkpoint={warm_start}", f"--run_dir={run}", "--max_steps=2",
+            "--batch_size=4", "--actor_batch=4", "--num_actors=1", "--eval_every=0",
+            "--eval_size=4", "--launch=local_mt", "--noprogress"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    replay = run / "checkpoints" / "replay"
+    for attempt in (1, 2):
+        proc = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env,
+                              timeout=300)
+        assert proc.returncode == 0, (attempt, proc.stderr[-3000:])
+        assert "held-out accuracy" in proc.stdout and "(warm start)" in proc.stdout
+        assert 'README.md, section "Reading a run"' in proc.stdout   # where a run ends
+        assert os.listdir(replay), "the replay node wrote no checkpoint"   # Reverb's own files
+    assert is_owned(str(replay), str(run))

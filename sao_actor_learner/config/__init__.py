@@ -146,6 +146,8 @@ class SAOConfig(DriftConfig, NetworkConfig, TrackerConfig, LaunchConfig, EvalCon
         self.check_across_sections(raise_config_error)
 
     def check_across_sections(self, fail) -> None:
+        """The first failing check calls `fail`; root causes come before what follows from them
+        (the batch's groups before the queue capacity that is derived from batch_size)."""
         G = self.group_size
         if self.placement and self.launch == "local_mt":
             fail(f"placement={','.join(self.placement)} needs launch=local_mp (a process per "
@@ -153,13 +155,6 @@ class SAOConfig(DriftConfig, NetworkConfig, TrackerConfig, LaunchConfig, EvalCon
         if not self.model:
             fail(f"task={self.task!r} has no default model: pass --model=DIR, a Hugging Face "
                  "model directory (config.json, weights, tokenizer)")
-        if self.actor_batch > self.effective_queue_capacity:
-            fail(f"actor_batch={self.actor_batch} > queue capacity {self.effective_queue_capacity}: "
-                 "an actor could never insert its whole batch; lower actor_batch")
-        if self.max_new_tokens >= self.max_sequence_length:
-            fail(f"max_new_tokens={self.max_new_tokens} >= max_sequence_length="
-                 f"{self.max_sequence_length}: a turn could never fit after the prompt; raise "
-                 "max_sequence_length or lower max_new_tokens")
         if self.algorithm in GROUP_ALGORITHMS and G < 2:
             singles = " or ".join(a for a in ALGORITHM_NAMES if a not in GROUP_ALGORITHMS)
             fail(f"group_size={G} with algorithm={self.algorithm!r}: its baseline comes from the "
@@ -169,6 +164,13 @@ class SAOConfig(DriftConfig, NetworkConfig, TrackerConfig, LaunchConfig, EvalCon
         if self.batch_size % G:
             fail(f"batch_size={self.batch_size} is not a multiple of group_size={G}: a GRPO "
                  "batch is prompts x G whole groups; make batch_size a multiple of group_size")
+        if self.actor_batch > self.effective_queue_capacity:
+            fail(f"actor_batch={self.actor_batch} > queue capacity {self.effective_queue_capacity}: "
+                 "an actor could never insert its whole batch; lower actor_batch")
+        if self.max_new_tokens >= self.max_sequence_length:
+            fail(f"max_new_tokens={self.max_new_tokens} >= max_sequence_length="
+                 f"{self.max_sequence_length}: a turn could never fit after the prompt; raise "
+                 "max_sequence_length or lower max_new_tokens")
         if self.effective_queue_capacity < G:
             fail(f"queue capacity {self.effective_queue_capacity} < group_size={G}: actors could "
                  "never insert a whole group, a deadlock; raise queue_capacity")

@@ -36,14 +36,21 @@ def check_model_dir(path: str, flag: str = "--model") -> None:
     a tokenizer. Reads no weights. The message names `flag` and what to change."""
     if not path:
         raise ModelDirError(f"{flag} is empty: pass a Hugging Face model directory")
-    if not os.path.isdir(path):
+    if not os.path.exists(path):
+        parent = os.path.dirname(os.path.normpath(path))
         hint = ""
-        if not os.path.isabs(path) and path.count("/") == 1 and not path.startswith("."):
-            hint = (f" It looks like a hub id; this system loads models offline only: download "
-                    f"it first (e.g. `huggingface-cli download {path} --local-dir DIR`) and pass "
-                    f"{flag}=DIR.")
-        raise ModelDirError(f"{flag}={path!r} is not a directory (a model directory holds "
-                            f"config.json, weights and tokenizer files).{hint}")
+        if parent and os.path.isdir(parent):   # a local path: its folder is there, it is not
+            hint = f" ({parent!r} exists but holds no {os.path.basename(path)!r})"
+        elif not os.path.isabs(path) and path.count("/") == 1 and not path.startswith("."):
+            hint = (f". If you meant the Hugging Face hub id {path!r}: this system loads models "
+                    f"offline only; download it first (e.g. `huggingface-cli download {path} "
+                    f"--local-dir DIR`) and pass {flag}=DIR")
+        raise ModelDirError(f"{flag}={path!r}: no such directory ({os.path.abspath(path)!r} "
+                            f"does not exist){hint}. A model directory holds config.json, "
+                            "weights and tokenizer files.")
+    if not os.path.isdir(path):
+        raise ModelDirError(f"{flag}={path!r} is a file, not a directory (a model directory "
+                            "holds config.json, weights and tokenizer files)")
     if not os.path.exists(os.path.join(path, "config.json")):
         raise ModelDirError(f"{flag}={path!r} holds no config.json: not a Hugging Face model "
                             "directory (save_pretrained writes one)")
