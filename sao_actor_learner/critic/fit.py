@@ -199,8 +199,9 @@ def fit(estimator, train: Sequence[Rollout], heldout: Sequence[Rollout],
         should_stop: Callable[[], bool] = lambda: False) -> FitResult:
     """Fits `estimator`'s critic (a learner.estimators.CriticGAE) on `train`, measuring
     `heldout` (module docstring). In a learner group every rank passes its own share;
-    optimizer steps and evaluations are collective, every rank takes as many steps per epoch as
-    the rank with the most train rollouts (going round its own again when it has fewer).
+    optimizer steps and evaluations are collective: every rank takes as many steps per epoch as
+    the rank with the fewest train rollouts allows (a split by prompt may leave the shares
+    unequal; an epoch of the others then leaves some of theirs out, a different draw each time).
     `log(row)` gets each evaluation."""
     settings.check()
     check_fittable(list(train) + list(heldout))
@@ -240,8 +241,7 @@ def fit(estimator, train: Sequence[Rollout], heldout: Sequence[Rollout],
     for epoch in range(settings.max_epochs):
         if done:
             break
-        # Ranks with fewer train rollouts (a split by prompt) go round theirs again.
-        order = np.resize(rng.permutation(len(train)), steps_per_epoch * per_rank)
+        order = rng.permutation(len(train))
         for k in range(steps_per_epoch):
             if should_stop():
                 stopped, done = "stopped", True
