@@ -26,8 +26,10 @@ class LearnerConfig(Section):
                             "normalised rewards), critic_free (a tracked reward baseline) or "
                             "rloo (leave-one-out group baseline); learner/registry.py.")
     policy_loss: str = option("dis", "dis (double-sided IS against rollout log-probs), "
-                              "ppo_clip, tis, icepop, none (no correction) or gspo (sequence-"
-                              "level clipped ratio); learner/registry.py.")
+                              "ppo_clip, tis, icepop, none (no correction), gspo (sequence-"
+                              "level clipped ratio), or ppo_clip_decoupled / gspo_decoupled "
+                              "(the clip against the recomputed old policy, weighted by old / "
+                              "rollout policy: AReaL's decoupled PPO); learner/registry.py.")
     eps_low: float = option(0.3, "DIS keeps tokens whose ratio is >= 1 - eps_low (paper: 0.3 "
                             "math, 0.8 coding).")
     eps_high: float = option(5.0, "DIS keeps tokens whose ratio is <= 1 + eps_high (paper: 5 "
@@ -122,6 +124,9 @@ class LearnerConfig(Section):
     gspo_clip_high: float = option(4e-4, "gspo: the sequence ratio's clip range ends at 1 + "
                                    "gspo_clip_high (GSPO paper: 4e-4).")
     tis_cap: float = option(2.0, "tis: C in min(pi_old / mu, C).")
+    decoupled_weight_cap: float = option(5.0, "ppo_clip_decoupled, gspo_decoupled: tokens "
+                                         "whose behaviour weight pi_old / mu exceeds this are "
+                                         "dropped from the loss (AReaL: 5); > 1; inf: no cap.")
     icepop_low: float = option(0.5, "icepop: lower end of the band on pi_old / mu.")
     icepop_high: float = option(5.0, "icepop: upper end of the band on pi_old / mu.")
     policy_minibatches: int = option(1, "Policy optimizer steps per learner step, on "
@@ -247,6 +252,9 @@ class LearnerConfig(Section):
         if self.tis_cap <= 0.0:
             fail(f"tis_cap={self.tis_cap}: the truncation C of min(pi_old/mu, C) must be > 0 "
                  "(typical: 2)")
+        if not self.decoupled_weight_cap > 1.0:
+            fail(f"decoupled_weight_cap={self.decoupled_weight_cap}: must be > 1 so on-policy "
+                 "tokens (behaviour weight 1) stay in the loss (AReaL: 5; inf: no cap)")
         if not 0.0 < self.icepop_low <= 1.0 <= self.icepop_high:
             fail(f"icepop_low={self.icepop_low}, icepop_high={self.icepop_high}: need "
                  "0 < icepop_low <= 1 <= icepop_high so on-policy tokens (ratio 1) are kept "

@@ -5,7 +5,8 @@ rollouts before RL and calls its scale essential without stating it. Here pretra
 rollout budget, fitted in epochs of minibatches, with a held-out part of the budget measured at
 a cadence:
 
-  - the budget's rollouts are split once into train and held-out (`heldout_fraction`);
+  - the budget's rollouts are split once into train and held-out (`heldout_fraction`), by
+    prompt: no prompt text (nor group) is on both sides (`split_heldout`);
   - each epoch shuffles the train rollouts and takes one critic optimizer step per minibatch
     (`CriticGAE.optimizer_step`: the learner's own step, frozen attention and all);
   - every `eval_every` optimizer steps (0: at each epoch's end) the held-out explained
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -70,23 +72,77 @@ class FitResult:
                 "seconds": self.seconds, "evaluations": len(self.curve)}
 
 
-def split_heldout(rollouts: Sequence[Rollout], fraction: float, seed: int = 0
+def prompt_key(rollout: Rollout) -> str:
+    """A hash of the rollout's prompt, its tokens before the first action token (all of them
+    when it has none): equal for every rollout of one prompt text, whatever its ids (a prompt
+    drawn again in a later pass over a dataset gets a new prompt_id)."""
+    mask = np.asarray(rollout.action_mask) > 0
+    first = int(np.argmax(mask)) if mask.any() else len(mask)
+    return hashlib.sha1(np.asarray(rollout.tokens[:first], dtype=np.int64).tobytes()).hexdigest()
+
+
+def _prompt_components(entries: Sequence[Tuple[int, str]]) -> Dict[str, str]:
+    """prompt key -> its component's label: the prompt keys joined by a shared group_id (and
+    a shared key joins group ids), labelled by their smallest key."""
+    parent: Dict[tuple, tuple] = {}
+
+    def find(x):
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for group, key in entries:
+        a, b = find(("g", group)), find(("p", key))
+        if a != b:
+            parent[a] = b
+    members: Dict[tuple, List[str]] = {}
+    for _, key in entries:
+        members.setdefault(find(("p", key)), []).append(key)
+    return {key: min(keys) for keys in members.values() for key in keys}
+
+
+def split_heldout(rollouts: Sequence[Rollout], fraction: float, seed: int = 0,
+                  gather: Callable[[object], List[object]] = lambda obj: [obj]
                   ) -> Tuple[List[Rollout], List[Rollout]]:
-    """(train, held-out): the held-out part is exactly round(fraction * n) rollouts (at least
-    2), taken prompt by prompt in a seeded order of the prompts, so rollouts of one group_id
-    stay together except at the boundary, and ranks of a learner group with equal shares get
-    equal splits."""
+    """(train, held-out) with no prompt on both sides: rollouts that share a prompt text
+    (`prompt_key`) or a group_id stay together, whole prompts are held out in a seeded order
+    (a hash of the seed and the prompt, the same on every rank) until at least round(fraction
+    * n) rollouts (at least 2) are held out. In a learner group `gather` is the group's
+    gather_objects: the split is decided on every rank's rollouts together, so no prompt is held
+    out on one rank and trained on by another (the ranks' shares may then differ in size)."""
     if not 0.0 < fraction < 1.0:
         raise ValueFitError(f"heldout fraction {fraction}: must be in (0, 1)")
-    n_held = max(2, int(round(fraction * len(rollouts))))
-    if len(rollouts) - n_held < 1:
-        raise ValueFitError(f"{len(rollouts)} rollouts cannot be split into a train part and "
+    local = [(int(r.group_id), prompt_key(r)) for r in rollouts]
+    parts = gather(local)
+    entries = [e for part in parts for e in part]
+    n_held = max(2, int(round(fraction * len(entries))))
+    if len(entries) - n_held < 1:
+        raise ValueFitError(f"{len(entries)} rollouts cannot be split into a train part and "
                             f"{n_held} held out: value pretraining needs more rollouts (raise "
                             "--value_pretrain_rollouts)")
-    groups = sorted({int(r.group_id) for r in rollouts})
-    rank = {g: i for i, g in enumerate(np.random.default_rng(seed).permutation(groups))}
-    ordered = sorted(rollouts, key=lambda r: rank[int(r.group_id)])
-    return ordered[n_held:], ordered[:n_held]
+    label = _prompt_components(entries)
+    sizes: Dict[str, int] = {}
+    for _, key in entries:
+        sizes[label[key]] = sizes.get(label[key], 0) + 1
+    held, count = set(), 0
+    for component in sorted(sizes, key=lambda c: hashlib.sha1(f"{seed}:{c}".encode()).digest()):
+        if count >= n_held:
+            break
+        held.add(component)
+        count += sizes[component]
+    if count >= len(entries) or any(part and all(label[k] in held for _, k in part)
+                                    for part in parts):
+        raise ValueFitError(f"{len(entries)} rollouts of {len(sizes)} distinct prompt(s) "
+                            f"cannot be split into train and held-out parts (at least {n_held} "
+                            "held out, every rank some to train on) without a prompt on both "
+                            "sides: raise --value_pretrain_rollouts or use a task with more "
+                            "distinct prompts")
+    out: Tuple[List[Rollout], List[Rollout]] = ([], [])
+    for r, (_, key) in zip(rollouts, local):
+        out[label[key] in held].append(r)
+    return out
 
 
 def check_fittable(rollouts: Sequence[Rollout], what: str = "value pretraining") -> None:
@@ -142,8 +198,11 @@ def fit(estimator, train: Sequence[Rollout], heldout: Sequence[Rollout],
         log: Optional[Callable[[Dict[str, float]], None]] = None,
         should_stop: Callable[[], bool] = lambda: False) -> FitResult:
     """Fits `estimator`'s critic (a learner.estimators.CriticGAE) on `train`, measuring
-    `heldout` (module docstring). In a learner group every rank passes its own share of equal
-    size; optimizer steps and evaluations are collective. `log(row)` gets each evaluation."""
+    `heldout` (module docstring). In a learner group every rank passes its own share;
+    optimizer steps and evaluations are collective: every rank takes as many steps per epoch as
+    the rank with the fewest train rollouts allows (a split by prompt may leave the shares
+    unequal; an epoch of the others then leaves some of theirs out, a different draw each time).
+    `log(row)` gets each evaluation."""
     settings.check()
     check_fittable(list(train) + list(heldout))
     world = estimator.collective.world_size

@@ -37,11 +37,16 @@ def gspo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
                      action_mask: torch.Tensor, clip_low: float, clip_high: float,
                      normalization: str = "action_tokens",
                      rollout_logp: Optional[torch.Tensor] = None,
-                     normalizer: Optional[float] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
+                     normalizer: Optional[float] = None,
+                     behaviour_weights: Optional[torch.Tensor] = None
+                     ) -> Tuple[torch.Tensor, Dict[str, float]]:
     """The GSPO(-token) loss of the module docstring on [B, T] tensors (rows are whole rollouts).
 
-    Every action token keeps its place in the denominator (kept_tokens equals action_tokens);
-    `normalizer` replaces it (a whole batch's count, for micro-batches). Stats: the drift stats
+    `behaviour_weights` w_it (no gradient; 1 when None) multiply each token's term (how the
+    decoupled form, learner/decoupled.py, plugs in). Without them every action token keeps its
+    place in the denominator (kept_tokens equals action_tokens); with them kept_tokens counts
+    the action tokens with w > 0. `normalizer` replaces the denominator (a whole batch's count,
+    for micro-batches). Stats: the drift stats
     against rollout_logp (against old_logp when None), clip_below_frac / clip_above_frac /
     clip_frac (action tokens whose clip is active: no gradient; also masked_frac),
     gspo_clipped_rollout_frac (rollouts with s_i outside the range), gspo_ratio_mean/max/min
@@ -55,9 +60,13 @@ def gspo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
     seq_ratio = torch.exp(sequence_log_ratios(logp, old_logp, action_mask))   # sg(s_i), [B]
     token_ratio = seq_ratio[:, None] * torch.exp(logp - logp.detach())        # s_it
     adv = advantages.detach()
+    weights = torch.ones_like(mask) if behaviour_weights is None else behaviour_weights.detach()
     surrogate = torch.minimum(token_ratio * adv,
                               token_ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
-    loss = -(surrogate * mask).sum() / loss_denominator(normalizer, mask.sum())
+    kept = mask * (weights > 0).to(mask.dtype)
+    denom = loss_denominator(normalizer, mask.sum() if normalization == "action_tokens"
+                             else kept.sum())
+    loss = -(surrogate * weights * mask).sum() / denom
     with torch.no_grad():
         below = (seq_ratio < 1.0 - clip_low)[:, None] & (adv < 0)
         above = (seq_ratio > 1.0 + clip_high)[:, None] & (adv > 0)
@@ -78,6 +87,6 @@ def gspo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
     else:
         stats.update(gspo_ratio_mean=1.0, gspo_ratio_max=1.0, gspo_ratio_min=1.0,
                      gspo_clipped_rollout_frac=0.0)
-    stats["num_kept_tokens"] = float(mask.sum())
+    stats["num_kept_tokens"] = float(kept.sum())
     stats["policy_loss"] = float(loss.detach())
     return loss, stats

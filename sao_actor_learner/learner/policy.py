@@ -26,7 +26,8 @@ top_p, `distributions.py`), over the first `token_limit` rows of the LM head. Wi
 `fused_logprobs` and top_p = 1 the LM head runs inside `kernels.fused_logprobs` on the hidden
 states (never an [N, V] tensor); with top_p < 1 the nucleus needs every logit of a row, computed
 for a few rows at a time. dtype="bfloat16" runs the forward and backward under autocast: bf16
-activations and matmuls, fp32 master weights, gradients and optimizer state.
+activations and matmuls, fp32 master weights, gradients and optimizer state. Every pass sees the
+policy without dropout (models/modes.py), as the actors do.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from sao_actor_learner.distributions import sampling_logprobs
 from sao_actor_learner.learner import (distributed, drift, losses, minibatches, packing,
                                        registry)
 from sao_actor_learner.learner.schedules import lr_factor
+from sao_actor_learner.models import modes
 from sao_actor_learner.models.value import base_model_of
 from sao_actor_learner.types import Batch
 
@@ -130,6 +132,8 @@ class PolicyTrainer:
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         if config.micro_batch_layout == "packed":
             packing.prepare_packed_attention(base_model_of(policy), "the policy")
+        self._checkpointed = modes.checkpointed_layers(policy)
+        modes.train_without_dropout(policy, self._checkpointed)
 
     def set_learning_rate(self, version: int, total_steps: int) -> float:
         """Sets the optimizer's learning rate for the step taken at policy `version` from the
@@ -249,7 +253,9 @@ class PolicyTrainer:
         trunk's hidden state added to every micro-batch's policy loss, whose own parameters
         step with the policy (a shared-trunk value head; JointLoss)."""
         cfg = self.config
-        self.policy.train()
+        # Every pass of the step (old log-probs, the gradient pass) sees the policy without
+        # dropout, as the actors do (models/modes.py).
+        modes.train_without_dropout(self.policy, self._checkpointed)
         if registry.policy_loss(cfg.policy_loss).needs_old_logp and old_logp is None:
             old_logp = self.logprobs_no_grad(batch)
         logp_all = torch.zeros(batch.tokens.shape, dtype=torch.float32,

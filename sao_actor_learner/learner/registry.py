@@ -78,6 +78,8 @@ class PolicyLoss:
 
 
 _PPO_CLIP = (("clip_low", "ppo_clip_low"), ("clip_high", "ppo_clip_high"))
+_GSPO_CLIP = (("clip_low", "gspo_clip_low"), ("clip_high", "gspo_clip_high"))
+_BEHAVIOUR_CAP = (("cap", "decoupled_weight_cap"),)
 
 # --- the registrations: one entry each ------------------------------------------------------
 ALGORITHMS: Dict[str, Algorithm] = {a.name: a for a in (
@@ -102,8 +104,10 @@ POLICY_LOSSES: Dict[str, PolicyLoss] = {p.name: p for p in (
                (("band_low", "icepop_low"), ("band_high", "icepop_high")) + _PPO_CLIP,
                needs_old_logp=True),
     PolicyLoss("none", ".losses:no_correction_loss"),
-    PolicyLoss("gspo", ".gspo:gspo_policy_loss",
-               (("clip_low", "gspo_clip_low"), ("clip_high", "gspo_clip_high")),
+    PolicyLoss("gspo", ".gspo:gspo_policy_loss", _GSPO_CLIP, needs_old_logp=True),
+    PolicyLoss("ppo_clip_decoupled", ".decoupled:ppo_clip_decoupled_loss",
+               _PPO_CLIP + _BEHAVIOUR_CAP, needs_old_logp=True),
+    PolicyLoss("gspo_decoupled", ".decoupled:gspo_decoupled_loss", _GSPO_CLIP + _BEHAVIOUR_CAP,
                needs_old_logp=True),
 )}
 

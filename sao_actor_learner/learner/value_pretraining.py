@@ -4,9 +4,10 @@ pretraining and "Measuring the critic").
 `ValuePretraining.run(learner)`: before the first policy step, the learner draws a budget of the
 initial policy's rollouts from replay (`Learner.draw_critic_only`: they count as admission
 credit and are acknowledged like any other; the version does not move), splits off a held-out
-part and fits the critic on the rest with critic/fit.py (epochs of minibatches at
-`value_pretrain_lr`, stopping on a held-out plateau or `value_pretrain_min_ev`, the best
-parameters kept). Every evaluation is a metrics row of kind "value_pretrain".
+part by prompt (no prompt text on both sides, on any rank: critic/fit.split_heldout) and fits
+the critic on the rest with critic/fit.py (epochs of minibatches at `value_pretrain_lr`,
+stopping on a held-out plateau or `value_pretrain_min_ev`, the best parameters kept). Every
+evaluation is a metrics row of kind "value_pretrain".
 
 `CriticYardstick`: a fixed set of held-out rollouts (the pretraining's held-out part, or the
 rollouts a value-pretrained critic directory keeps beside it) on which the critic's explained
@@ -60,7 +61,8 @@ class ValuePretraining:
         rollouts = learner.draw_critic_only(int(math.ceil(self.rollouts / world)))
         if learner.stopped:
             return {}
-        train, held = fit_lib.split_heldout(rollouts, self.heldout, self.settings.seed)
+        train, held = fit_lib.split_heldout(rollouts, self.heldout, self.settings.seed,
+                                            gather=learner.collective.gather_objects)
         estimator = learner.estimator
         lrs = [g["lr"] for g in estimator.optimizer.param_groups]
         for g in estimator.optimizer.param_groups:

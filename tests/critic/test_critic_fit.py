@@ -100,15 +100,64 @@ def test_a_budget_that_cannot_be_fitted_is_a_clear_error():
         fit_lib.FitSettings(minibatch_size=0).check()
 
 
-def test_heldout_split_is_seeded_exact_and_keeps_prompts_together():
-    rollouts = predictable_rollouts(40)
+def grouped_rollouts(groups, per_group=4, first_group=0, prompt_of=lambda g: g):
+    """`groups` groups of `per_group` rollouts; group g's prompt text is a function of
+    prompt_of(g) (equal values: the same prompt text under another group id)."""
+    rollouts = predictable_rollouts(groups * per_group)
     for i, r in enumerate(rollouts):
-        r.group_id = i // 4            # 10 prompts x 4 samples
+        g = first_group + i // per_group
+        p = prompt_of(g)
+        r.tokens[:3] = [1 + p % 15, 1 + (p // 15) % 15, 1 + (p // 225) % 15]
+        r.group_id = g
+        r.prompt_id = g
+    return rollouts
+
+
+def sides(train, held):
+    return ({fit_lib.prompt_key(r) for r in train}, {fit_lib.prompt_key(r) for r in held})
+
+
+def test_heldout_split_is_seeded_exact_and_keeps_prompts_together():
+    rollouts = grouped_rollouts(10)            # 10 prompts x 4 samples
     train, held = fit_lib.split_heldout(rollouts, 0.2, seed=3)
     assert len(held) == 8 and len(train) == 32
     assert {r.group_id for r in held}.isdisjoint({r.group_id for r in train})
     again, held_again = fit_lib.split_heldout(rollouts, 0.2, seed=3)
     assert [r.prompt_id for r in held] == [r.prompt_id for r in held_again]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_no_prompt_text_is_on_both_sides_of_the_heldout_split(seed):
+    """A prompt drawn again (a later pass over the dataset) comes back under a new group id;
+    single rollouts (group size 1) of one prompt text have ids of their own: neither puts the
+    prompt text on both sides."""
+    rollouts = grouped_rollouts(10) + grouped_rollouts(6, first_group=10,
+                                                       prompt_of=lambda g: g - 10)
+    rollouts += grouped_rollouts(8, per_group=1, first_group=20, prompt_of=lambda g: g % 3)
+    train, held = fit_lib.split_heldout(rollouts, 0.2, seed=seed)
+    assert len(train) + len(held) == len(rollouts) and len(held) >= 14
+    train_prompts, held_prompts = sides(train, held)
+    assert train_prompts and held_prompts and train_prompts.isdisjoint(held_prompts)
+    assert {r.group_id for r in held}.isdisjoint({r.group_id for r in train})
+
+
+def test_the_split_is_decided_on_every_rank_s_prompts_together():
+    """Two ranks of a learner group, each with its own draw of the same prompts: a prompt held
+    out on one is held out on the other."""
+    a = grouped_rollouts(10)
+    b = grouped_rollouts(10, first_group=100, prompt_of=lambda g: (g - 100) * 7 % 10)
+    local = [[(r.group_id, fit_lib.prompt_key(r)) for r in part] for part in (a, b)]
+    train_a, held_a = fit_lib.split_heldout(a, 0.2, seed=1, gather=lambda obj: [obj, local[1]])
+    train_b, held_b = fit_lib.split_heldout(b, 0.2, seed=1, gather=lambda obj: [local[0], obj])
+    train_prompts, held_prompts = sides(train_a + train_b, held_a + held_b)
+    assert train_prompts.isdisjoint(held_prompts) and len(held_a) + len(held_b) >= 16
+    assert held_prompts and train_a and train_b
+
+
+def test_a_budget_of_one_prompt_cannot_be_split():
+    rollouts = grouped_rollouts(5, prompt_of=lambda g: 3)     # one prompt under 5 group ids
+    with pytest.raises(fit_lib.ValueFitError, match="1 distinct prompt"):
+        fit_lib.split_heldout(rollouts, 0.2)
 
 
 def test_heldout_metrics_match_the_slow_explained_variance():

@@ -224,7 +224,8 @@ def test_critic_free_learner_uses_the_tracked_baseline():
     assert stats["masked_frac"] == 0.0 and "explained_variance" in stats
 
 
-@pytest.mark.parametrize("loss", ["dis", "ppo_clip", "tis", "icepop", "none"])
+@pytest.mark.parametrize("loss", ["dis", "ppo_clip", "tis", "icepop", "none", "ppo_clip_decoupled",
+                                  "gspo_decoupled"])
 def test_sao_learner_trains_with_every_policy_loss(loss):
     config = SAOConfig(batch_size=4, actor_batch=4, max_steps=5, policy_loss=loss,
                        fused_logprobs=False, policy_minibatches=2)

@@ -203,9 +203,10 @@ def test_value_pretraining_trains_only_the_critic_and_keeps_admission_open():
                            publisher=publisher)
     policy_before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
     stats = learner.pretrain_value()
-    # 12 rollouts: 2 held out (the yardstick from now on), 10 fitted in minibatches of 4.
+    # 12 rollouts: whole prompts held out (the yardstick from now on), at least 2 (here one
+    # prompt drawn 3 times), the rest fitted in minibatches of 4.
     assert stats["rollouts"] == 12 and stats["optimizer_steps"] <= 2 * 2
-    assert len(learner.yardstick.rollouts) == 2
+    assert len(learner.yardstick.rollouts) == 3
     assert learner.estimator.optimizer.param_groups[0]["lr"] == learner.estimator.config.critic_lr
     assert all(torch.equal(v, policy_before[k]) for k, v in learner.policy.state_dict().items())
     # The critic took its optimizer steps (the best held-out evaluation's weights are kept,

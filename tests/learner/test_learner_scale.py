@@ -259,7 +259,8 @@ def test_top_p_rollouts_are_on_policy_for_the_learner():
         "ratio_mean"] < 0.95
 
 
-@pytest.mark.parametrize("loss", ["dis", "ppo_clip", "tis", "icepop", "none"])
+@pytest.mark.parametrize("loss", ["dis", "ppo_clip", "tis", "icepop", "none", "ppo_clip_decoupled",
+                                  "gspo_decoupled"])
 def test_tokens_outside_the_nucleus_give_finite_losses(loss):
     """Off-policy data at top_p < 1: some sampled tokens lie outside the learner's nucleus;
     every loss stays finite and the step trains."""
