@@ -67,6 +67,14 @@ def tune_markdown(result, plots: Sequence[str], command: str = "") -> str:
                                                ("learn", v["learning_ok"])) if ok) or "none"
         lines.append(f"| {_name(k)} | " + " | ".join(_cell(row[c], d) for c, _, d in TUNE_COLUMNS)
                      + f" | {passes} |")
+    planned = [k for k in result.limits if "planned_rollouts_per_s" in result.summary[k]]
+    if planned:
+        lines += ["", "The planner's rollouts/s with the costs and lengths fitted to the first "
+                  "lock-step run (programs/plan_staleness.py --from_run=" +
+                  result.runs[0][0]["run_dir"] + "): " + ", ".join(
+                      f"limit {k}: {result.summary[k]['planned_rollouts_per_s']:.2f} (measured "
+                      f"{result.summary[k]['rollouts_per_s']['mean']:.2f})" for k in planned)
+                  + "."]
     lines += ["", "Trained rollouts by staleness (all repeats):", ""]
     for k in result.limits:
         lines.append(f"- limit {_name(k)}: {result.summary[k]['staleness_hist']}")

@@ -197,6 +197,25 @@ def measurements(runs: Dict[int, List[Dict]]) -> List[LimitMeasurement]:
                              values(rs, "learning_se")) for k, rs in sorted(runs.items())]
 
 
+def planned(base: SAOConfig, runs: Dict[int, List[Dict]], seeds: int = 3) -> Dict[int, float]:
+    """limit -> the planner's rollouts/s with the costs and lengths fitted to the first
+    lock-step run ({} when the planner cannot model the config, e.g. groups of rollouts)."""
+    from experiments.staleness import planner
+    from experiments.staleness.inputs import PlanError, fit_costs, lengths_from_run
+    lock = runs.get(0)
+    if not lock:
+        return {}
+    run_dir = lock[0]["run_dir"]
+    try:
+        costs, _ = fit_costs(run_dir)
+        lengths = lengths_from_run(run_dir, "--from_run", base.max_new_tokens or 0)
+        rows = planner.curve(planner.Setting.from_config(base), costs, lengths, sorted(runs),
+                             seeds)
+    except PlanError:
+        return {}
+    return {r["max_staleness"]: r["rollouts_per_s"] for r in rows}
+
+
 @dataclasses.dataclass
 class TuneResult:
     base: SAOConfig
@@ -216,5 +235,8 @@ def tune(base: SAOConfig, limits: Sequence[int], repeats: int, out_dir: str,
     rule = rule or Rule(max_kl=base.alarm_max_kl, min_ess=base.alarm_min_ess)
     t0 = time.time()
     runs = run_grid(base, limits, repeats, out_dir, run_fn, progress)
-    return TuneResult(base, list(limits), repeats, runs, summarize(runs),
+    summary = summarize(runs)
+    for k, rps in planned(base, runs).items():
+        summary[k]["planned_rollouts_per_s"] = rps
+    return TuneResult(base, list(limits), repeats, runs, summary,
                       recommend(measurements(runs), rule), time.time() - t0)

@@ -40,6 +40,7 @@ def test_the_tuner_measures_lockstep_and_a_limit_and_recommends_one(warm_start, 
         assert 0 < row["learner_busy_frac"] and 0 <= row["admission_wait_frac"] < 1
         assert row["kl"] is not None and row["ess"] is not None and row["repeats"] == 1
         assert row["final_accuracy"] is not None
+        assert row["planned_rollouts_per_s"] > 0      # the planner, from the lock-step run
     assert set(result["verdicts"]) == {"0", "1"}
     # the same command again reads the finished runs instead of running them
     again = _run("tune_staleness.py", args + ["--progress=true"])
