@@ -37,7 +37,8 @@ flags.DEFINE_string("lengths", "", "Response-length distribution: fixed:L, unifo
                     "exponential:MEAN, lognormal:MEAN,SIGMA, pareto:MEAN,TAIL, file:PATH or "
                     "run:DIR (experiments/staleness/inputs.py).")
 flags.DEFINE_string("from_run", "", "A finished run (with generate-call logs) to fit the "
-                    "costs and lengths to; flags given explicitly win.")
+                    "costs and lengths to, and whose config the loop flags default to; flags "
+                    "given explicitly win.")
 flags.DEFINE_enum("preset", "", ["", "paper"], "paper: a paper-scale cluster's costs and "
                   "lengths (assumptions, written into the report).")
 flags.DEFINE_integer("seeds", 3, "Simulated runs per limit, averaged.")
@@ -64,6 +65,8 @@ def main(argv):
     try:
         if FLAGS.preset:
             sweeps.apply_preset(FLAGS, plan.PRESETS[FLAGS.preset]["config"])
+        if FLAGS.from_run:   # the loop of the run, where no flag says otherwise
+            sweeps.apply_preset(FLAGS, plan.run_loop_fields(FLAGS.from_run))
         limits = parse_limits(FLAGS.limits)
         if FLAGS.seeds < 1:
             raise ConfigError(f"--seeds={FLAGS.seeds}: must be >= 1")

@@ -43,6 +43,22 @@ PAPER_SCALE: Dict[str, object] = {
     ],
 }
 PRESETS = {"paper": PAPER_SCALE}
+# The config fields that describe the loop: with --from_run they default to the run's.
+LOOP_FIELDS = ("batch_size", "num_actors", "actor_batch", "queue_capacity", "admission_control",
+               "actor_delay", "actor_delay_mean_s", "actor_delay_max_s", "actor_delay_tail",
+               "max_new_tokens", "max_sequence_length", "max_steps", "group_size")
+
+
+def run_loop_fields(run_dir: str) -> Dict[str, object]:
+    """The loop fields of a run's config.json ({} when it has none)."""
+    import json
+    import os
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        saved = json.load(f)
+    return {k: saved[k] for k in LOOP_FIELDS if k in saved}
 
 MODEL_ASSUMPTIONS = (
     "Each part runs at its own given speed: no contention for cores, GPUs or memory bandwidth "

@@ -229,6 +229,11 @@ class _Delivery:
         self.room = loop.env.event()
         loop.env.process(self.run())
 
+    def _fire(self, event):
+        """Triggers `event` (waking its waiters) and returns a fresh one for the next wait."""
+        event.succeed()
+        return self.loop.env.event()
+
     def schedule(self, rollouts) -> None:
         s = self.loop.s
         delays = sample_delays(s.actor_delay, len(rollouts), self.rng, s.actor_delay_mean_s,
@@ -236,12 +241,7 @@ class _Delivery:
         for r, d in zip(rollouts, delays):
             heapq.heappush(self.heap, (self.loop.env.now + float(d), next(self.seq), r))
         self.waiting += len(rollouts)
-        self._fire("wake")
-
-    def _fire(self, name: str) -> None:
-        old = getattr(self, name)
-        setattr(self, name, self.loop.env.event())
-        old.succeed()
+        self.wake = self._fire(self.wake)
 
     def wait_for_room(self, batch: int):
         while self.waiting + batch > self.max_waiting:
@@ -260,7 +260,7 @@ class _Delivery:
             _, _, rollout = heapq.heappop(self.heap)
             yield self.loop.queue.put(rollout)
             self.waiting -= 1
-            self._fire("room")
+            self.room = self._fire(self.room)
 
 
 def simulate(setting: Setting, costs: Costs, lengths: LengthDistribution,

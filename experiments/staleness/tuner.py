@@ -23,6 +23,7 @@ t_end = the last train row):
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -110,7 +111,6 @@ def measure_run(config: SAOConfig, summary: Dict) -> Dict:
     admission_wait = 0.0
     for path in actors:
         if os.path.exists(path):
-            import json
             with open(path) as f:
                 admission_wait += float(json.load(f).get("admission_wait_s", 0.0))
     width = max(len(r.get("staleness_hist", [])) for r in train)

@@ -47,6 +47,14 @@ def test_the_tuner_measures_lockstep_and_a_limit_and_recommends_one(warm_start, 
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("done earlier, read") == 2
     assert json.loads(again.stdout.strip().splitlines()[-1])["summary"] == result["summary"]
+    # the planner fits its costs and lengths to the lock-step run and takes its loop
+    plan = _run("plan_staleness.py", [f"--from_run={tmp_path}/runs/eta0_r0", "--limits=0,1",
+                                      "--seeds=1"], timeout=120)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    line = json.loads(plan.stdout.strip().splitlines()[-1])
+    assert line["assumptions"][0].startswith("loop: batch 8, 1 actors x 4 prompts")
+    assert any("[fitted]" in a for a in line["assumptions"])
+    assert [r["max_staleness"] for r in line["curve"]] == [0, 1]
 
 
 def test_the_tuner_refuses_a_grid_with_no_limit(tmp_path):
