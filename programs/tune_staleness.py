@@ -58,6 +58,8 @@ def main(argv):
                             rule, progress=FLAGS.progress)
     except (ConfigError, ValueError) as e:
         sys.exit(f"invalid configuration: {e}")
+    except RuntimeError as e:
+        sys.exit(f"tune_staleness: {e}")
     prefix = FLAGS.report or os.path.join(FLAGS.out_dir, "")
     command = " ".join(shlex.quote(a) for a in sys.argv)
     paths = report.write_tune_report(result, prefix, command)

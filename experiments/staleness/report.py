@@ -38,6 +38,7 @@ def tune_json(result) -> Dict:
             "batch_size": result.base.batch_size, "max_steps": result.base.max_steps,
             "lockstep_band": rec.lockstep_band, "wall_s": round(result.wall_s, 1),
             "verdicts": {str(k): v for k, v in rec.verdicts.items()},
+            "failed_runs": result.failed,
             "summary": {str(k): {f: (v["mean"] if isinstance(v, dict) else v)
                                  for f, v in row.items()}
                         for k, row in result.summary.items()}}
@@ -53,6 +54,9 @@ def tune_markdown(result, plots: Sequence[str], command: str = "") -> str:
     if command:
         lines += ["```", command, "```", ""]
     lines += [f"**Rule**: {rec.rule}.", "", f"**Why**: {rec.why}.", ""]
+    if result.failed:
+        lines += [f"**{len(result.failed)} run(s) failed** (left out; the same command runs "
+                  "them again):", "", *[f"- {f}" for f in result.failed], ""]
     if rec.lockstep_band:
         b = rec.lockstep_band
         lines += [f"Lock-step's learning per rollout: {b['mean']:.3f} ± {b['half']:.3f} "

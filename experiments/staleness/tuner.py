@@ -28,7 +28,8 @@ import math
 import os
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+import traceback
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -146,13 +147,16 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 
 def run_grid(base: SAOConfig, limits: Sequence[int], repeats: int, out_dir: str,
              run_fn: Callable[[SAOConfig], Dict], progress: bool = True,
-             out=sys.stdout) -> Dict[int, List[Dict]]:
-    """Runs (or reads, when already finished) every limit x repeat, interleaved; limit ->
-    the measured runs. Every config is built (and so checked) before the first run."""
+             out=sys.stdout) -> Tuple[Dict[int, List[Dict]], List[str]]:
+    """Runs (or reads, when already finished) every limit x repeat, interleaved: (limit ->
+    the measured runs, the runs that failed, each with its error). Every config is built (and
+    so checked) before the first run; a run that fails is reported and left out, and runs
+    again with the next invocation."""
     if repeats < 1:
         raise ConfigError(f"--repeats={repeats}: must be >= 1")
     plan = [limit_config(base, k, r, out_dir) for r in range(repeats) for k in limits]
     runs: Dict[int, List[Dict]] = {k: [] for k in limits}
+    failed: List[str] = []
     t0, ran = time.time(), 0
     for i, config in enumerate(plan):
         done = sweeps.finished_summary(config)
@@ -166,13 +170,18 @@ def run_grid(base: SAOConfig, limits: Sequence[int], repeats: int, out_dir: str,
                       f"{config.max_staleness}{' (lock-step)' if config.lockstep else ''} repeat "
                       f"{config.seed - base.seed}: {state}\n")
             out.flush()
-        if done is None:
-            done = run_fn(config)
-            ran += 1
-        runs[config.max_staleness].append(measure_run(config, done))
+        try:
+            if done is None:
+                ran += 1
+                done = run_fn(config)
+            runs[config.max_staleness].append(measure_run(config, done))
+        except Exception as e:  # noqa: BLE001 - one failed run must not end the grid
+            traceback.print_exc()
+            failed.append(f"{config.run_dir}: {type(e).__name__}: {e}"[:300])
     if progress:
-        out.write(f"[{_bar(1, 1)}] {len(plan)} runs ({ran} now) in {time.time() - t0:.0f}s\n")
-    return runs
+        out.write(f"[{_bar(1, 1)}] {len(plan)} runs ({ran} now, {len(failed)} failed) in "
+                  f"{time.time() - t0:.0f}s\n")
+    return runs, failed
 
 
 def summarize(runs: Dict[int, List[Dict]]) -> Dict[int, Dict]:
@@ -225,6 +234,7 @@ class TuneResult:
     summary: Dict[int, Dict]
     recommendation: Recommendation
     wall_s: float
+    failed: List[str] = dataclasses.field(default_factory=list)
 
 
 def tune(base: SAOConfig, limits: Sequence[int], repeats: int, out_dir: str,
@@ -234,9 +244,13 @@ def tune(base: SAOConfig, limits: Sequence[int], repeats: int, out_dir: str,
     thresholds default to the config's alarm_max_kl and alarm_min_ess."""
     rule = rule or Rule(max_kl=base.alarm_max_kl, min_ess=base.alarm_min_ess)
     t0 = time.time()
-    runs = run_grid(base, limits, repeats, out_dir, run_fn, progress)
+    runs, failed = run_grid(base, limits, repeats, out_dir, run_fn, progress)
+    runs = {k: rs for k, rs in runs.items() if rs}
+    if 0 not in runs:
+        raise RuntimeError("every lock-step run failed, and every limit is held to lock-step: "
+                           + "; ".join(failed))
     summary = summarize(runs)
     for k, rps in planned(base, runs).items():
         summary[k]["planned_rollouts_per_s"] = rps
-    return TuneResult(base, list(limits), repeats, runs, summary,
-                      recommend(measurements(runs), rule), time.time() - t0)
+    return TuneResult(base, sorted(runs), repeats, runs, summary,
+                      recommend(measurements(runs), rule), time.time() - t0, failed)

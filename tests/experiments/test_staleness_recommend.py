@@ -88,3 +88,68 @@ def test_the_grid_always_holds_lockstep_and_refuses_no_limit():
         parse_limits(["-1"])
     with pytest.raises(ConfigError, match="--limits entry 'fast'"):
         parse_limits(["fast"])
+
+
+def _fake_run(config, rollouts_per_s):
+    """A finished run's folder with the files the tuner reads: train rows at the given
+    throughput, one generate call, an evaluation at the start and the end."""
+    import json
+    import os
+    os.makedirs(config.run_dir, exist_ok=True)
+    b, dt = config.batch_size, config.batch_size / rollouts_per_s
+    with open(os.path.join(config.run_dir, "generate_calls_actor_0.jsonl"), "w") as f:
+        f.write(json.dumps({"t0": 100.0, "t1": 100.1, "n": 4, "tokens": 12,
+                            "lengths": [3, 3, 3, 3]}) + "\n")
+    with open(os.path.join(config.run_dir, "metrics.jsonl"), "w") as f:
+        for v, acc in ((0, 0.4), (config.max_steps, 0.6)):
+            f.write(json.dumps({"kind": "eval", "policy_version": v, "eval_accuracy": acc}) + "\n")
+        for step in range(1, config.max_steps + 1):
+            hist = [0] * (config.max_staleness + 1)
+            hist[-1] = b
+            f.write(json.dumps({
+                "kind": "train", "step": step, "policy_version": step, "time": 100.0 + step * dt,
+                "rollouts_trained": step * b, "tokens_per_s": 10.0 * b / dt, "step_time_s": dt,
+                "wait_s": 0.1 * dt, "publish_s": 0.01, "batch_size": b,
+                "response_length_mean": 3.0, "staleness_hist": hist,
+                "staleness_rollout_mean": float(config.max_staleness),
+                "kl_rollout": 0.001 * config.max_staleness, "ess": 0.99,
+                "dis_masked_frac": 0.0, "reward_mean": 0.1 * step + 0.01 * (step % 2),
+                "drift_alarm_kl_high": 0}) + "\n")
+    summary = {"steps": config.max_steps, "dropped_stale": 0}
+    with open(os.path.join(config.run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f)
+    with open(os.path.join(config.run_dir, "config.json"), "w") as f:
+        f.write(config.to_json())
+    return summary
+
+
+def test_the_tuner_measures_every_limit_and_leaves_a_failed_run_out(tmp_path):
+    import io
+    from experiments.staleness import report, tuner
+    from sao_actor_learner.config import SAOConfig
+    speed = {0: 10.0, 1: 16.0, 2: 19.8, 4: 20.0}
+    ran = []
+
+    def run_fn(config):
+        ran.append(config.run_dir)
+        if config.max_staleness == 4 and config.seed == 1:
+            raise RuntimeError("node crashed")
+        return _fake_run(config, speed[config.max_staleness] * (1 + 0.01 * config.seed))
+
+    base = SAOConfig(batch_size=8, actor_batch=4, num_actors=1, max_steps=6, seed=0)
+    result = tuner.tune(base, [0, 1, 2, 4], 2, str(tmp_path), run_fn, progress=False)
+    assert len(ran) == 8 and len(result.failed) == 1 and "node crashed" in result.failed[0]
+    assert result.limits == [0, 1, 2, 4] and result.summary[4]["repeats"] == 1
+    assert result.summary[1]["rollouts_per_s"]["mean"] == pytest.approx(16.0 * 1.005)
+    assert result.summary[2]["staleness_hist"] == [0, 0, 2 * 6 * 8]     # 2 repeats x 6 steps
+    assert result.summary[0]["heldout_gain_per_1k"]["mean"] == pytest.approx(200 / 48)
+    assert result.summary[0]["learning"]["mean"] == pytest.approx(1000 * 0.1 / 8, rel=0.05)
+    assert result.recommendation.limit == 2           # 19.8 * 1.005 >= 0.95 * 20.0
+    text = report.tune_markdown(result, [])
+    assert "1 run(s) failed" in text and "| 0 (lock-step) |" in text
+    # the next invocation reads the finished runs and runs the failed one again
+    ran.clear()
+    out = io.StringIO()
+    runs, failed = tuner.run_grid(base, [0, 1, 2, 4], 2, str(tmp_path), run_fn, out=out)
+    assert ran == [str(tmp_path / "runs" / "eta4_r1")] and len(failed) == 1
+    assert out.getvalue().count("done earlier, read") == 7
