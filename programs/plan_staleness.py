@@ -50,6 +50,7 @@ for _name, _help in (
         ("prompt_tokens", "Mean prompt tokens per rollout (counted in the learner's batch)."),
         ("learner_step_s", "Learner seconds per step besides its tokens."),
         ("learner_token_s", "Learner seconds per batch token (prompt and response)."),
+        ("learner_other_s", "Learner seconds between steps (checkpoints and the like)."),
         ("publish_s", "Learner seconds to publish a version (weight sync, learner side)."),
         ("load_s", "Actor seconds to load a new version (weight sync, actor side).")):
     flags.DEFINE_float(_name, None, _help + " Unset: the preset's, the fitted run's, or 0.")

@@ -18,12 +18,15 @@ The cost model (`Costs`, every time in seconds):
   generation call   gen_call_s + gen_token_s * sum(L) + gen_step_s * max(L), for the L of the
                     rollouts an actor generates together (gen_step_s: the batch waits for its
                     longest response, as a batched engine does)
-  learner step      learner_step_s + learner_token_s * (batch tokens: prompt + response)
+  learner step      learner_step_s + learner_token_s * (batch tokens: prompt + response), and
+                    learner_other_s between steps (checkpoints, the critic's yardstick: the
+                    loop's time outside its logged steps)
   weight sync       publish_s on the learner per version, load_s on an actor per version it
                     loads
 `fit_costs(run_dir)` fits them to a finished run: generation to its generate-call logs (least
 squares, non-negative), the learner to its train rows (busy time = step_time_s - wait_s -
-publish_s against the batch's tokens), weight sync to publish_s and the actors' weight_load_s.
+publish_s against the batch's tokens; learner_other_s the mean time between one step's row and
+the next step's start), weight sync to publish_s and the actors' weight_load_s.
 """
 from __future__ import annotations
 
@@ -199,6 +202,7 @@ class Costs:
     prompt_tokens: float = 0.0
     learner_step_s: float = 0.0
     learner_token_s: float = 0.0
+    learner_other_s: float = 0.0
     publish_s: float = 0.0
     load_s: float = 0.0
 
@@ -268,19 +272,24 @@ def fit_costs(run_dir: str, flag: str = "--from_run") -> Tuple[Costs, Dict[str, 
     batch = np.array([max(r.get("batch_size", 1), 1) for r in rows])
     response = np.array([r.get("response_length_mean", 0.0) for r in rows])
     prompt = float(np.mean(np.maximum(tokens / batch - response, 0.0)))
+    times = [r.get("time") for r in rows]
+    gaps = [max(t1 - t0 - r["step_time_s"], 0.0) for t0, t1, r in zip(times, times[1:], rows[1:])
+            if isinstance(t0, (int, float)) and isinstance(t1, (int, float))]
     actors = _actor_stats(run_dir)
     loads = sum(a.get("weight_updates", 0) for a in actors)
     load_s = sum(a.get("weight_load_s", 0.0) for a in actors) / loads if loads else 0.0
     costs = Costs(gen_call_s=float(gen[0]), gen_token_s=float(gen[1]),
                   gen_step_s=float(gen[2]) if has_lengths else 0.0, prompt_tokens=prompt,
                   learner_step_s=float(learner[0]), learner_token_s=float(learner[1]),
+                  learner_other_s=float(np.mean(gaps)) if gaps else 0.0,
                   publish_s=float(np.mean([r.get("publish_s", 0.0) for r in rows])),
                   load_s=float(load_s))
     notes = {
         "generation": f"least squares over {len(calls)} generate calls of {run_dir} "
                       f"(time against 1, tokens{', longest generation' if has_lengths else ''})",
         "learner": f"least squares over {len(rows)} train rows (step_time_s - wait_s - "
-                   "publish_s against the batch's tokens)",
+                   "publish_s against the batch's tokens); learner_other_s the mean gap between "
+                   "a row and the next step's start",
         "prompt_tokens": "batch tokens / batch size - response_length_mean, averaged",
         "weight sync": f"publish_s averaged over the train rows; load_s = the actors' "
                        f"weight_load_s / weight_updates ({loads} loads)"}

@@ -64,14 +64,15 @@ MODEL_ASSUMPTIONS = (
     "Each part runs at its own given speed: no contention for cores, GPUs or memory bandwidth "
     "between actors, learner and services (on a machine where they share cores, fit the "
     "costs to a run of the same layout)",
-    "The evaluator, checkpoints, value pretraining and critic warm-up take no learner time",
+    "The evaluator, value pretraining and critic warm-up take no learner time; checkpoints "
+    "and the rest of the loop between steps take learner_other_s",
     "A generation call's time is gen_call_s + gen_token_s x its tokens + gen_step_s x its "
     "longest response; an actor's granted prompts are generated together and inserted when "
     "the call returns (weight_sync_mode off; in-flight updates change how fast a call ends, "
     "not the staleness of its rollouts, which counts their oldest token)",
     "A learner step's time is learner_step_s + learner_token_s x the batch's prompt and "
-    "response tokens, then publish_s; an actor loads a newer version (load_s) before it "
-    "generates with it",
+    "response tokens, then publish_s, then learner_other_s before the next; an actor loads "
+    "a newer version (load_s) before it generates with it",
     "Admission (variables/admission.Admission), the queue bound (config "
     "effective_queue_capacity), the learner's drop rule (learner/sampling.too_stale) and "
     "injected delays (actors/delays.sample_delays) are the program's own code",

@@ -19,10 +19,11 @@ Per actor: [wait for room] -> admit -> load the admitted version when the engine
 (load_s) -> generate the granted prompts together (Costs.generation_s of their sampled lengths)
 -> insert each rollout (blocking while the queue is full), or hand it to the delayed delivery.
 The learner: draw B fresh rollouts (dropping stale ones) -> train (Costs.learner_s of the batch's
-prompt + response tokens) -> version += 1 -> publish (publish_s) -> the version is visible.
+prompt + response tokens) -> version += 1 -> publish (publish_s) -> the version is visible ->
+learner_other_s (checkpoints and the like) -> the next draw.
 
 What it leaves out (docs/STALENESS.md lists every assumption): CPU or GPU contention between the
-parts (each runs at its own measured or given speed), the evaluator, checkpoints, value
+parts (each runs at its own measured or given speed), the evaluator, value
 pretraining, in-flight weight updates (weight_sync_mode keep/abort: they change how fast a
 generation ends, not its staleness, which counts its oldest token), learner groups, groups of
 rollouts (group_size > 1 is refused), network time beyond publish_s and load_s.
@@ -195,6 +196,7 @@ class _Loop:
             self.version += 1
             self.step_ends.append(env.now)
             self.notify()
+            yield env.timeout(self.costs.learner_other_s)
 
     def result(self) -> PlanResult:
         s = self.s
@@ -310,7 +312,8 @@ def closed_form_deterministic(setting: Setting, costs: Costs, length: float) -> 
     limit loose enough that actors and learner overlap, where the slower side sets the rate."""
     b, n, a = setting.batch_size, setting.num_actors, setting.actor_batch
     gen = costs.generation_s(np.full(a, length))
-    train = costs.learner_s(b * (length + costs.prompt_tokens)) + costs.publish_s
+    train = costs.learner_s(b * (length + costs.prompt_tokens)) + costs.publish_s + \
+        costs.learner_other_s
     rounds = math.ceil(b / (n * a))        # actor batches one version waits for, in lock-step
     return {"lockstep": b / (costs.load_s + rounds * gen + train),
             "overlapped": min(n * a / gen, b / train)}

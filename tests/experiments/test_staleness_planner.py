@@ -158,6 +158,7 @@ def test_costs_and_lengths_are_fitted_to_a_runs_logs(tmp_path):
             tokens = 8 * (6 + response)
             step_time = 0.2 + 0.002 * tokens + 0.05 + 0.1
             f.write(json.dumps({"kind": "train", "step": step, "step_time_s": step_time,
+                                "time": 10.0 * step,
                                 "wait_s": 0.1, "publish_s": 0.05, "batch_size": 8,
                                 "tokens_per_s": tokens / step_time,
                                 "response_length_mean": response}) + "\n")
@@ -169,6 +170,8 @@ def test_costs_and_lengths_are_fitted_to_a_runs_logs(tmp_path):
     assert (costs.learner_step_s, costs.learner_token_s) == pytest.approx((0.2, 0.002), abs=1e-9)
     assert costs.prompt_tokens == pytest.approx(6.0)
     assert costs.publish_s == pytest.approx(0.05) and costs.load_s == pytest.approx(0.05)
+    assert costs.learner_other_s == pytest.approx(
+        np.mean([10.0 - (0.2 + 0.002 * 8 * (16 + s) + 0.15) for s in range(2, 11)]))
     assert set(notes) == {"generation", "learner", "prompt_tokens", "weight sync"}
     assert lengths_from_run(str(tmp_path), "--lengths").mean() > 2
     with pytest.raises(PlanError, match="--from_run"):
