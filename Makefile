@@ -18,8 +18,9 @@ $(STAMP): setup.py protos/*.proto sao_actor_learner/replay/*.c Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=23" "setuptools>=68,<80" wheel
 	$(PY) -m pip install -q "torch==2.13.0" "dm-reverb[tensorflow]==0.14.0" "grpcio-tools==1.62.3" \
-	    "triton==3.7.1" "pytest>=7" "pytest-timeout>=2" "matplotlib>=3.7" "ray>=2.9" "isal>=1.6"
-	$(PY) -m pip install -q --no-build-isolation -e ".[triton,test,plots,ray,fast,math,data,wandb,mlflow,lora,gguf]"
+	    "triton==3.7.1" "pytest>=7" "pytest-timeout>=2" "matplotlib>=3.7" "ray>=2.9" "isal>=1.6" \
+	    "simpy>=4.1,<5"
+	$(PY) -m pip install -q --no-build-isolation -e ".[triton,test,plots,plan,ray,fast,math,data,wandb,mlflow,lora,gguf]"
 	$(PY) -m pip check
 	touch $(STAMP)
 

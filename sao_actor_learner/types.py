@@ -36,6 +36,13 @@ SCALAR_DTYPES = {
 }
 
 
+def rollout_staleness(min_version: int, learner_version: int) -> int:
+    """The staleness of a rollout whose oldest action token came from policy `min_version`
+    (-1: it has no action token) when trained at `learner_version`: the versions between them,
+    0 without action tokens. Rollout.staleness and the staleness planner both use it."""
+    return 0 if min_version < 0 else learner_version - min_version
+
+
 @dataclasses.dataclass
 class Rollout:
     """One trajectory, as an actor inserts it and the learner samples it.
@@ -97,8 +104,7 @@ class Rollout:
 
     def staleness(self, learner_version: int) -> int:
         """Rollout staleness when trained at `learner_version` (docs/METHOD.md section 9)."""
-        mv = self.min_version()
-        return 0 if mv < 0 else learner_version - mv
+        return rollout_staleness(self.min_version(), learner_version)
 
     def columns(self) -> dict:
         """All columns as numpy values (the replay item)."""

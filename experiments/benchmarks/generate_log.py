@@ -6,7 +6,8 @@
     {"t0": start, "t1": end (time.time()), "version": policy version at the start,
      "version_end": at the end, "n": prompts, "tokens": tokens returned,
      "switched": generations whose tokens carry more than one version,
-     "lag_hist": [tokens whose version is d above their generation's first token's, d = 0..]}
+     "lag_hist": [tokens whose version is d above their generation's first token's, d = 0..],
+     "lengths": [tokens of each generation]}
 
 It forwards the weight-sync contract (weight_sync_mode, offer_weights, weight_sync_counters) to
 the engine it wraps, so logging does not turn interruptible weight sync off.
@@ -14,7 +15,9 @@ the engine it wraps, so logging does not turn interruptible weight sync off.
 `make_program_with_generate_log` is the SAO program with such actors (builder.make_program's
 actor_factory). The lock-step test (tests/entry_points/test_lockstep.py) counts the rollouts each version
 generated; the async-vs-sync benchmark (programs/benchmarks/async_vs_sync.py) takes the first
-call as its clock's zero and the time inside calls as the actors' busy time.
+call as its clock's zero and the time inside calls as the actors' busy time; the staleness
+planner (experiments/staleness/inputs.py) fits its generation cost and length distribution to
+the calls.
 """
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ class GenerateLogEngine(core.EngineWrapper):
                                     "version_end": self._engine.version,
                                     "n": len(prompts), "tokens": sum(lag),
                                     "switched": sum(len(set(g.versions)) > 1 for g in gens),
-                                    "lag_hist": lag}) + "\n")
+                                    "lag_hist": lag,
+                                    "lengths": [len(g.versions) for g in gens]}) + "\n")
         return gens
 
     def close(self):

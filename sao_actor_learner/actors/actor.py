@@ -26,12 +26,17 @@ import numpy as np
 from absl import logging
 
 from sao_actor_learner import core
+from sao_actor_learner.actors.delivery import default_max_waiting
 from sao_actor_learner.actors.engine_weights import EngineWeights
 from sao_actor_learner.actors.outbox import Outbox
 from sao_actor_learner.actors.rollout import run_episodes
 from sao_actor_learner.actors.spool import RolloutSpool
 from sao_actor_learner.observers.metrics import write_json_atomic
 from sao_actor_learner.variables.channel import VariableClientError
+
+
+# How long an actor sleeps before asking again when admission granted nothing.
+ADMISSION_RETRY_S = 0.02
 
 
 class Actor(core.Worker):
@@ -79,7 +84,8 @@ class Actor(core.Worker):
         if group_size < 1 or forced_staleness < -1:
             raise ValueError(f"group_size={group_size}, forced_staleness={forced_staleness}: "
                              "need group_size >= 1 and forced_staleness >= -1")
-        max_waiting = 4 * actor_batch if max_waiting is None else int(max_waiting)
+        max_waiting = default_max_waiting(actor_batch) if max_waiting is None \
+            else int(max_waiting)
         if max_waiting < actor_batch:
             raise ValueError(f"max_waiting={max_waiting}: must be >= actor_batch ({actor_batch})"
                              ", else no batch could ever be handed to delivery")
@@ -232,7 +238,7 @@ class Actor(core.Worker):
             n = self._admitted()
             if n <= 0:
                 t_wait = time.monotonic()
-                time.sleep(0.02)
+                time.sleep(ADMISSION_RETRY_S)
                 with self._lock:
                     self._loop_counters["admission_waits"] += 1
                     self._loop_counters["admission_wait_s"] += time.monotonic() - t_wait

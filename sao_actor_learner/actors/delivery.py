@@ -20,6 +20,15 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
+# Without an explicit bound, this many actor batches may wait out their delays at once.
+MAX_WAITING_BATCHES = 4
+
+
+def default_max_waiting(actor_batch: int) -> int:
+    """The most rollouts an actor lets wait at once when none is given: MAX_WAITING_BATCHES
+    actor batches (the actor and the staleness planner both use it)."""
+    return MAX_WAITING_BATCHES * actor_batch
+
 
 class DelayedDelivery:
     """The delivery thread (see the module docstring).

@@ -27,6 +27,12 @@ from sao_actor_learner.types import Rollout
 DropCallback = Callable[[List[Rollout]], None]
 
 
+def too_stale(staleness: int, max_staleness: int) -> bool:
+    """The learner's drop rule: a rollout this many versions stale is not trained on when
+    it exceeds eta = max_staleness. The samplers and the staleness planner both use it."""
+    return staleness > max_staleness
+
+
 class RolloutSampler:
     """n rollouts no staler than max_staleness from `source`, oldest first.
 
@@ -48,7 +54,7 @@ class RolloutSampler:
         self.from_future = 0               # rollouts refused: a version newer than the learner's
 
     def is_stale(self, rollout: Rollout, version: int) -> bool:
-        return rollout.staleness(version) > self.max_staleness
+        return too_stale(rollout.staleness(version), self.max_staleness)
 
     def _drop(self, rollouts: List[Rollout]) -> None:
         self.dropped += len(rollouts)
