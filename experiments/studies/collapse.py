@@ -136,7 +136,9 @@ def wilson(k: int, n: int, z: float = Z95) -> Tuple[Optional[float], Optional[fl
     denom = 1.0 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # the ends at k = 0 and k = n are exactly 0 and 1 (the formula's rounding aside)
+    return (0.0 if k == 0 else max(0.0, centre - half)), (1.0 if k == n else
+                                                         min(1.0, centre + half))
 
 
 def survival(collapse_steps: Sequence[Optional[int]], steps: Sequence[int], z: float = Z95
