@@ -312,6 +312,7 @@ def early_warning_figure(study, warnings: Sequence[Dict], run_rows: Sequence[Dic
         ax.set_title(f"{ind.label} {thr:g}", fontsize=9)
         ax.grid(alpha=0.3, axis="x")
     # the panels share the y axis: its labels are set once
+    axes[0][0].set_ylim(-0.7, len(vids) - 0.3)
     axes[0][0].set_yticks(list(ys.values()))
     axes[0][0].set_yticklabels(list(ys), fontsize=6)
     return save_figure(fig, path, title)

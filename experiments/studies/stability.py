@@ -219,14 +219,19 @@ def markdown(study, collapses: Sequence[Dict], survival: Sequence[Dict],
         if r["step"] == max_steps:
             lines.append(f"- {r['label']}: {r['surviving']}/{r['runs']} "
                          f"({_f(r['fraction'])} [{_f(r['lo'])}, {_f(r['hi'])}])")
-    lines += ["", "Early warning, over all variants and per variant with a collapse (lead "
-              "= collapse step - fire step; hit: fired at or before the collapse; false "
-              "alarm: fired in a run that did not collapse):", "",
+    lines += ["", "Early warning: every threshold over all variants, and each variant with "
+              "a run that collapsed or fired at each indicator's middle threshold "
+              "(early_warning.csv has every row). Lead = collapse step - fire step; hit: "
+              "fired at or before the collapse; false alarm: fired in a run that did not "
+              "collapse.", "",
               "| variant | indicator | threshold | collapsed | hits | misses | false alarms / "
               "stable runs | hit rate [Wilson] | false-alarm rate [Wilson] | lead mean [t] | "
               "lead median |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in warnings:
-        if r["variant"] != "all" and not r["collapsed"]:
+        middle = next(i.thresholds[len(i.thresholds) // 2] for i in ew.INDICATORS
+                      if i.name == r["indicator"])
+        if r["variant"] != "all" and (r["threshold"] != middle or
+                                      not (r["collapsed"] or r["false_alarm"])):
             continue
         lines.append(
             f"| {r['variant']} | {r['indicator']} | {r['threshold']:g} | {r['collapsed']} | "

@@ -71,10 +71,14 @@ def test_every_cell_builds_a_valid_config_with_the_promised_sizes():
     assert by_id[f"sao_k{sp.DRIFT_K}"].value_pretrain_rollouts == sp.VALUE_PRETRAIN_FULL
     assert sorted(c.value_pretrain_rollouts for v, _, c in configs(study)
                   if v.series == "critic quality") == [0] * 5 + [sp.VALUE_PRETRAIN_PARTIAL] * 5
-    # the pilot's cells and the calibration's at the chosen point are the study's own
+    # the calibration's cells at the chosen point are the study's own; the pilot's are the
+    # study's at the pilot's learning rate, and the calibration's at that point
     names = {c.name for _, c in studies.cells_of(study)}
-    assert {c.name for _, c in studies.cells_of(studies.STUDIES["stability_pilot"])} <= names
+    pilot = {c.name for _, c in studies.cells_of(studies.STUDIES["stability_pilot"])}
+    assert pilot <= {c.name for _, c in studies.cells_of(sp.STUDIES_FACTORY["stability"](
+        sp.PILOT_LR))}
     calibration = {c.name for _, c in studies.cells_of(studies.STUDIES["stability_calibration"])}
+    assert len(pilot & calibration) == 4          # SAO and GRPO at k = 0 and 8, seed 0
     shared = calibration & names
     assert len(shared) == len(sp.arms()) * 3      # every arm: k=0 seeds 0 and 1, k=8 seed 0
     mine = {cell.name: c for _, cell, c in configs(study)}
