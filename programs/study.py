@@ -33,7 +33,8 @@ Presets (experiments/studies/presets.py):
                   staleness k in {0, 8, 32}, 300 steps, 5 seeds (10 for SAO and GRPO at k=32),
                   and a critic-quality arm at k=8: survival curves, time to collapse,
                   early-warning lead times (experiments/studies/stability.py).
-  stability_pilot SAO and GRPO at k in {0, 8, 32}, one seed: the stability pipeline end to end.
+  stability_pilot SAO and GRPO at k in {0, 8, 32}, one seed, lr 2e-4: the stability pipeline
+                  end to end.
   (The stability presets are not part of `all`.)
   smoke           2 variants x 3 seeds x 2 steps on the arithmetic task: output format only.
 A comma-separated list of study names also works.

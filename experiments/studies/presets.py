@@ -15,6 +15,11 @@ takes ~85 min with `--workers=2` on 2 CPU cores (docs/REPRODUCTION.md, "Scale" a
 The critic studies (single_rollout, ablations, value_pretrain) were re-run with a critic that
 learns (the value-pretrained directory of `make critic-dataset`, 5 seeds): they need it built.
 
+The stability presets (stability_calibration, stability, stability_pilot: the arithmetic task,
+300 steps, forced staleness up to 32) are defined in experiments/studies/stability_presets.py,
+registered here and not part of `all`; their own outputs (survival, collapse, early warning,
+calibration) come from experiments/studies/stability.py.
+
 Per study (`<out_dir>/<study>/`, copied to <results_dir>/<study>/, e.g. results/study/): results.csv (one row per run),
 curves.csv (one row per run and learner step), summary.csv (per variant: mean and 95% t
 interval over seeds of each metric), comparisons.csv (differences of means with Welch
