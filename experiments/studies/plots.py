@@ -281,18 +281,22 @@ def survival_figure(survival: Sequence[Dict], panels: Sequence[Tuple[str, Sequen
 
 def early_warning_figure(study, warnings: Sequence[Dict], run_rows: Sequence[Dict], path: str,
                          title: str) -> str:
-    """One panel per indicator at its middle threshold: each collapsed run's lead time (a dot;
+    """One panel per indicator at its middle threshold (early_warning.middle; absolute ones in
+    the first row, relative ones in the second): each collapsed run's lead time (a dot;
     x = collapse step - fire step, hits only) per variant, with hits / collapsed runs and false
     alarms / stable runs written beside it."""
-    from experiments.studies.early_warning import INDICATORS
+    from experiments.studies.early_warning import INDICATORS, middle
     plt = pyplot()
     vids = [v.id for v in study.variants]
-    fig, axes = plt.subplots(1, len(INDICATORS), figsize=(4.6 * len(INDICATORS),
-                                                           0.32 * len(vids) + 1.6),
+    cols = 4
+    rows = (len(INDICATORS) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, rows * (0.32 * len(vids) + 1.6)),
                              squeeze=False, sharey=True)
     ys = {vid: len(vids) - 1 - i for i, vid in enumerate(vids)}
-    for ax, ind in zip(axes[0], INDICATORS):
-        thr = ind.thresholds[len(ind.thresholds) // 2]
+    for ax in list(axes.flat)[len(INDICATORS):]:
+        ax.set_visible(False)
+    for ax, ind in zip(axes.flat, INDICATORS):
+        thr = middle(ind)
         longest = 10
         for vid in vids:
             leads = [r["lead"] for r in run_rows if r["variant"] == vid
@@ -309,10 +313,12 @@ def early_warning_figure(study, warnings: Sequence[Dict], run_rows: Sequence[Dic
                             va="center", color="0.3")
         ax.set_xlim(-1, longest * 1.45)      # room on the right for the counts
         ax.set_xlabel("lead time (collapse step - fire step)")
-        ax.set_title(f"{ind.label} {thr:g}", fontsize=9)
+        ax.set_title(f"{ind.label}{'' if ind.relative else ' '}{thr:g}", fontsize=9)
         ax.grid(alpha=0.3, axis="x")
     # the panels share the y axis: its labels are set once
     axes[0][0].set_ylim(-0.7, len(vids) - 0.3)
     axes[0][0].set_yticks(list(ys.values()))
     axes[0][0].set_yticklabels(list(ys), fontsize=6)
+    for row in axes[1:]:
+        row[0].tick_params(axis="y", labelleft=True, labelsize=6)
     return save_figure(fig, path, title)

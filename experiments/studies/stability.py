@@ -125,7 +125,10 @@ def warning_run_rows(study, records: Sequence[Dict]) -> List[Dict]:
     out = []
     for v in study.variants:
         for r in _ok(records, v.id):
-            for w in ew.run_warnings(run_series(r["run_dir"]), _collapse_step(r)):
+            start = (int(r["max_staleness"]) + 1 if r.get("staleness_mode") == "forced"
+                     else 1)   # forced staleness reaches k at step k + 1
+            for w in ew.run_warnings(run_series(r["run_dir"]), _collapse_step(r),
+                                     start=start):
                 out.append(dict(w, variant=v.id, seed=r["seed"]))
     return out
 
@@ -228,8 +231,7 @@ def markdown(study, collapses: Sequence[Dict], survival: Sequence[Dict],
               "stable runs | hit rate [Wilson] | false-alarm rate [Wilson] | lead mean [t] | "
               "lead median |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in warnings:
-        middle = next(i.thresholds[len(i.thresholds) // 2] for i in ew.INDICATORS
-                      if i.name == r["indicator"])
+        middle = next(ew.middle(i) for i in ew.INDICATORS if i.name == r["indicator"])
         if r["variant"] != "all" and (r["threshold"] != middle or
                                       not (r["collapsed"] or r["false_alarm"])):
             continue

@@ -206,3 +206,48 @@ def test_lead_times_false_alarms_and_the_arm_summary():
     empty = ew.summarize([])
     assert empty["hit_rate"] is None and empty["lead_mean"] is None
     assert math.isclose(ew.summarize(pick(stable))["false_alarm_lo"], cl.wilson(1, 1)[0])
+
+
+def slow_relative_fire(points, direction, factor, floor, start, window=5, baseline=10):
+    pts = sorted((s, v if direction == "above" else 1.0 - v) for s, v in points)
+    base = [e for s, e in pts if s >= start][:baseline]
+    if len(base) < baseline:
+        return None
+    level = sorted(base)[(baseline - 1) // 2] / 2 + sorted(base)[baseline // 2] / 2
+    last_base = [s for s, _ in pts if s >= start][baseline - 1]
+    for i in range(window - 1, len(pts)):
+        vals = sorted(e for _, e in pts[i - window + 1:i + 1])
+        med = vals[window // 2]
+        if pts[i][0] > last_base and med > factor * level and med > floor:
+            return pts[i][0]
+    return None
+
+
+def test_relative_indicators_fire_on_a_rise_over_the_run_s_own_level():
+    # KL 0.2 once staleness has reached k = 8, then 0.6 from step 100: the absolute
+    # thresholds fire at the first window; the 2x rise fires when the median passes 0.4
+    kl = [(s, 0.02 * s if s <= 8 else (0.2 if s < 100 else 0.6)) for s in range(1, 201)]
+    assert ew.fire_step(kl, "above", 0.05) == 5
+    assert ew.relative_fire_step(kl, "above", 2.0, 0.01, start=9) == 102
+    assert ew.relative_fire_step(kl, "above", 4.0, 0.01, start=9) is None
+    flat = [(s, 0.2) for s in range(1, 201)]
+    assert ew.relative_fire_step(flat, "above", 2.0, 0.01, start=9) is None
+    # no drift (k = 0): a relative rise of numerical noise stays under the floor
+    zero = [(s, 1e-10 * (1 + s % 3)) for s in range(1, 201)]
+    assert ew.relative_fire_step(zero, "above", 2.0, 0.01) is None
+    # ESS: the deficit 1 - ESS doubles (0.1 -> 0.3) from step 60
+    ess = [(s, 0.9 if s < 60 else 0.7) for s in range(1, 201)]
+    assert ew.relative_fire_step(ess, "below", 2.0, 0.05) == 62
+    # a run shorter than its baseline cannot fire
+    assert ew.relative_fire_step(kl[:12], "above", 2.0, 0.01, start=9) is None
+    rows = ew.run_warnings({"kl_rollout": kl}, collapse_step=150, start=9)
+    rel = {r["threshold"]: r for r in rows if r["indicator"] == "k3_kl_rise_rel"}
+    assert rel[2.0]["outcome"] == "hit" and rel[2.0]["lead"] == 48
+    assert rel[4.0]["outcome"] == "miss"
+    rng = random.Random(3)
+    for _ in range(20):   # against the slow version on random series
+        pts = [(s, rng.uniform(0, 1) ** 3) for s in range(1, rng.randint(5, 80))]
+        start, factor = rng.randint(1, 10), rng.choice([1.5, 2.0, 4.0])
+        for direction in ("above", "below"):
+            assert ew.relative_fire_step(pts, direction, factor, 0.01, start) == \
+                slow_relative_fire(pts, direction, factor, 0.01, start)
