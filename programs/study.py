@@ -25,6 +25,17 @@ Presets (experiments/studies/presets.py):
   online_shift    task=online_shift, the reward rule flips every 40 versions: steps to
                   recover 75% of the pre-shift held-out accuracy, per method.
   all             the seven above, in that order (cells two studies share run once).
+  stability_calibration  the stability study's calibration on the arithmetic task: policy_lr x
+                  batch for every arm at forced staleness 0 (2 seeds) and 8 (1 seed); a point
+                  passes when no k=0 run collapses and k=8 drifts (KL >= 1e-2 or ESS <= 0.9):
+                  calibration.csv/.md. Run it first.
+  stability       SAO, the critic-free control + DIS, GRPO + PPO-clip / DIS / TIS at forced
+                  staleness k in {0, 8, 32}, 300 steps, 5 seeds (10 for SAO and GRPO at k=32),
+                  and a critic-quality arm at k=8: survival curves, time to collapse,
+                  early-warning lead times (experiments/studies/stability.py).
+  stability_pilot SAO and GRPO at k in {0, 8, 32}, one seed, lr 2e-4: the stability pipeline
+                  end to end.
+  (The stability presets are not part of `all`.)
   smoke           2 variants x 3 seeds x 2 steps on the arithmetic task: output format only.
 A comma-separated list of study names also works.
 
@@ -74,6 +85,7 @@ from experiments import sweep_presets  # noqa: E402
 from experiments.studies import plots as study_plots  # noqa: E402
 from experiments.studies import pool as study_pool  # noqa: E402
 from experiments.studies import presets as studies  # noqa: E402
+from experiments.studies import stability  # noqa: E402
 from experiments.studies import tables as study_tables  # noqa: E402
 from sao_actor_learner.builder import make_program  # noqa: E402
 from sao_actor_learner.config import ConfigError, SAOConfig  # noqa: E402
@@ -262,6 +274,9 @@ def run_study(study, plans, earlier_cells, ran_side_by_side=frozenset(),
     study_plots.draw(study, curves, summary, out, title,
                      shift_every=base.shift_every if study.kind == "shift" else None,
                      max_steps=base.max_steps)
+    if study.kind in studies.STABILITY_KINDS:
+        stability.write_outputs(study, records, summary, out, base.max_steps, base.eval_every,
+                                title)
     elapsed = time.time() - t0
     with open(os.path.join(out, "invocations.jsonl"), "a") as f:
         f.write(json.dumps({"started": t0, "elapsed_s": elapsed, "cells_run_now": ran,

@@ -12,7 +12,10 @@ PLOTS = {"curves": ("accuracy.png", "reward.png"),
          "staleness": ("accuracy.png", "staleness.png"),
          "ablation": ("accuracy.png", "ablation.png"),
          "pretrain": ("accuracy.png", "value_pretrain.png"),
-         "shift": ("reward.png", "online_shift.png")}
+         "shift": ("reward.png", "online_shift.png"),
+         # survival.png and early_warning.png: experiments/studies/stability.py draws them
+         "stability": ("accuracy.png", "reward.png", "survival.png", "early_warning.png"),
+         "calibration": ("accuracy.png", "survival.png", "early_warning.png")}
 
 
 def plot_names(study) -> Tuple[str, ...]:
@@ -233,8 +236,89 @@ def draw(study, curves: Sequence[Dict], summary: Sequence[Dict], out: str, title
     if study.kind == "pretrain":
         return [accuracy_figure(study, curves, p("accuracy.png"), title),
                 pretrain_figure(study, curves, summary, p("value_pretrain.png"), title)]
+    if study.kind in ("stability", "calibration"):
+        from experiments.studies.stability import panels
+        by_id = {v.id: v for v in study.variants}
+        groups = [(name, [by_id[i] for i in ids]) for name, ids in panels(study)]
+        figs = [accuracy_figure(study, curves, p("accuracy.png"), title, groups)]
+        if study.kind == "stability":
+            figs.append(reward_figure(study, curves, p("reward.png"), title, smooth=10))
+        return figs
     if study.kind == "shift":
         shifts = list(range(shift_every, max_steps, shift_every)) if shift_every else []
         return [reward_figure(study, curves, p("reward.png"), title, shifts=shifts),
                 shift_figure(study, curves, summary, p("online_shift.png"), title, shifts)]
     raise ValueError(f"study kind {study.kind!r}")
+
+
+def survival_figure(survival: Sequence[Dict], panels: Sequence[Tuple[str, Sequence[str]]],
+                    path: str, title: str) -> str:
+    """Fraction of runs not yet collapsed against step (a step function) with its Wilson 95%
+    band, one line per variant, one panel per group of variants (stability.panels)."""
+    plt = pyplot()
+    panels = [(name, ids) for name, ids in panels
+              if any(r["variant"] in ids for r in survival)] or [("no runs", [])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(6.5, 4.4 * len(panels)), 3.8),
+                             squeeze=False, sharey=True)
+    for ax, (name, ids) in zip(axes[0], panels):
+        for vid in ids:
+            rows = [r for r in survival if r["variant"] == vid]
+            if not rows:
+                continue
+            xs = [r["step"] for r in rows]
+            line, = ax.step(xs, [r["fraction"] for r in rows], where="post",
+                            label=f"{rows[0]['label']} (n={rows[0]['runs']})")
+            ax.fill_between(xs, [r["lo"] for r in rows], [r["hi"] for r in rows], step="post",
+                            color=line.get_color(), alpha=0.12, linewidth=0)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel(X_LABELS["step"])
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, loc="lower left")
+    axes[0][0].set_ylabel("runs not yet collapsed (Wilson 95%)")
+    return save_figure(fig, path, title)
+
+
+def early_warning_figure(study, warnings: Sequence[Dict], run_rows: Sequence[Dict], path: str,
+                         title: str) -> str:
+    """One panel per indicator at its middle threshold (early_warning.middle; absolute ones in
+    the first row, relative ones in the second): each collapsed run's lead time (a dot;
+    x = collapse step - fire step, hits only) per variant, with hits / collapsed runs and false
+    alarms / stable runs written beside it."""
+    from experiments.studies.early_warning import INDICATORS, middle
+    plt = pyplot()
+    vids = [v.id for v in study.variants]
+    cols = 4
+    rows = (len(INDICATORS) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, rows * (0.32 * len(vids) + 1.6)),
+                             squeeze=False, sharey=True)
+    ys = {vid: len(vids) - 1 - i for i, vid in enumerate(vids)}
+    for ax in list(axes.flat)[len(INDICATORS):]:
+        ax.set_visible(False)
+    for ax, ind in zip(axes.flat, INDICATORS):
+        thr = middle(ind)
+        longest = 10
+        for vid in vids:
+            leads = [r["lead"] for r in run_rows if r["variant"] == vid
+                     and r["indicator"] == ind.name and r["threshold"] == thr
+                     and r["outcome"] == "hit"]
+            longest = max([longest] + leads)
+            ax.scatter(leads, [ys[vid]] * len(leads), s=12, alpha=0.7, color="C0")
+            s = next((w for w in warnings if w["variant"] == vid and w["indicator"] == ind.name
+                      and w["threshold"] == thr), None)
+            if s is not None:
+                ax.annotate(f"{s['hit']}/{s['collapsed']} hit, {s['false_alarm']}/"
+                            f"{s['false_alarm'] + s['quiet']} false alarms", (0.99, ys[vid]),
+                            xycoords=("axes fraction", "data"), fontsize=5.5, ha="right",
+                            va="center", color="0.3")
+        ax.set_xlim(-1, longest * 1.45)      # room on the right for the counts
+        ax.set_xlabel("lead time (collapse step - fire step)")
+        ax.set_title(f"{ind.label}{'' if ind.relative else ' '}{thr:g}", fontsize=9)
+        ax.grid(alpha=0.3, axis="x")
+    # the panels share the y axis: its labels are set once
+    axes[0][0].set_ylim(-0.7, len(vids) - 0.3)
+    axes[0][0].set_yticks(list(ys.values()))
+    axes[0][0].set_yticklabels(list(ys), fontsize=6)
+    for row in axes[1:]:
+        row[0].tick_params(axis="y", labelleft=True, labelsize=6)
+    return save_figure(fig, path, title)

@@ -15,6 +15,11 @@ takes ~85 min with `--workers=2` on 2 CPU cores (docs/REPRODUCTION.md, "Scale" a
 The critic studies (single_rollout, ablations, value_pretrain) were re-run with a critic that
 learns (the value-pretrained directory of `make critic-dataset`, 5 seeds): they need it built.
 
+The stability presets (stability_calibration, stability, stability_pilot: the arithmetic task,
+300 steps, forced staleness up to 32) are defined in experiments/studies/stability_presets.py,
+registered here and not part of `all`; their own outputs (survival, collapse, early warning,
+calibration) come from experiments/studies/stability.py.
+
 Per study (`<out_dir>/<study>/`, copied to <results_dir>/<study>/, e.g. results/study/): results.csv (one row per run),
 curves.csv (one row per run and learner step), summary.csv (per variant: mean and 95% t
 interval over seeds of each metric), comparisons.csv (differences of means with Welch
@@ -29,47 +34,14 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from experiments.studies import collapse as collapse_rule
 from experiments.studies import metrics as sm
+from experiments.studies import stability_presets
 from experiments.studies import tables
 from experiments import sweeps
+from experiments.studies.study_types import Study, Variant  # noqa: F401 (re-exported)
 from sao_actor_learner.config import SAOConfig
 from sao_actor_learner.observers import read_metrics
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """One line of a study: `id` (CSV key), `label` (legend), the cell's settings, and for
-    plots against a parameter `series` (one line per series) and `param` (its x value)."""
-    id: str
-    label: str
-    method: str
-    shape: str
-    staleness: int = 4
-    mode: str = "limit"           # limit: max_staleness only; forced: exactly k stale
-    extra: Tuple[Tuple[str, object], ...] = ()
-    tag: str = ""                 # folder-name stand-in for `extra` (sweeps.Cell.tag)
-    series: str = ""
-    param: Optional[float] = None
-    seeds: Optional[Tuple[int, ...]] = None   # fewer seeds than its study's (None: the study's)
-
-    def cell(self, seed: int) -> sweeps.Cell:
-        return sweeps.Cell(self.method, self.shape, self.staleness, seed, self.mode,
-                           self.extra, self.tag)
-
-
-@dataclasses.dataclass(frozen=True)
-class Study:
-    name: str
-    title: str
-    kind: str                     # curves | staleness | ablation | pretrain | shift
-    variants: Tuple[Variant, ...]
-    base: Tuple[Tuple[str, object], ...]
-    seeds: Tuple[int, ...] = (0, 1, 2)
-    comparisons: Tuple[Tuple[str, str], ...] = ()   # (variant id a, variant id b): a - b
-    param_name: str = ""
-
-    def variant(self, vid: str) -> Variant:
-        return next(v for v in self.variants if v.id == vid)
 
 
 # --- workloads --------------------------------------------------------------------------------
@@ -253,6 +225,9 @@ def _smoke() -> Study:
 STUDIES: Dict[str, Study] = {s.name: s for s in (
     _single_rollout(), _asynchrony(), _asynchrony_stress(), _ablations(), _gae(), _value_pretrain(), _online_shift(),
     _smoke())}
+# The stability presets (arithmetic workload; not in `all`: run them by name).
+STUDIES.update(stability_presets.STUDIES)
+STABILITY_KINDS = ("stability", "calibration")
 # Where a variant runs on another workload than its study's base (none at present).
 VARIANT_BASES: Dict[Tuple[str, str], Tuple[Tuple[str, object], ...]] = {}
 FULL = ("single_rollout", "asynchrony", "asynchrony_stress", "ablations", "gae", "value_pretrain",
@@ -279,10 +254,11 @@ RUN_COLUMNS = ("study", "variant", "label", "series", "param") + sweeps.RESULT_C
     "rollouts_trained", "mean_eval_accuracy", "mid_eval_accuracy", "late_gain", "gain",
     "late_kl", "late_masked_frac", "late_ess", "pretrain_final_ev", "early_ev", "late_ev",
     "critic_heldout_ev_start", "critic_heldout_ev_end", "collapse_step", "eval_steps_to_recover", "phase_mean_accuracy", "recovered_shifts",
-    "mean_steps_to_recover", "phase_mean_reward")
+    "mean_steps_to_recover", "phase_mean_reward", "collapse_cause", "steps_survived")
 CURVE_COLUMNS = ("study", "variant", "seed", "step", "rollouts", "wall_time_s", "reward_mean",
                  "eval_accuracy", "kl_rollout", "masked_frac", "ess", "explained_variance",
-                 "staleness_mean")
+                 "staleness_mean", "response_length_mean", "token_entropy_mean", "chi2_token",
+                 "ratio_outside_band_frac")
 EARLY_STEPS = 5
 RECOVER_WINDOW = 5      # steps of the training reward's moving average (online shift)
 RECOVER_FRACTION = 0.75  # recovered at this fraction of the pre-shift level
@@ -330,6 +306,14 @@ def run_record(study: Study, variant: Variant, row: Dict, config: SAOConfig) -> 
     nonfinite = next((r["step"] for r in train
                       if not isinstance(r.get("policy_loss", 0.0), (int, float))
                       or not math.isfinite(r.get("policy_loss", 0.0))), None)
+    if study.kind in STABILITY_KINDS:   # the stability study's rule (studies/collapse.py)
+        found = collapse_rule.collapse(
+            sorted(evals.items()), [(r["step"], r["reward_mean"]) for r in train],
+            [(r["step"], r["response_length_mean"]) for r in train
+             if isinstance(r.get("response_length_mean"), (int, float))], nonfinite)
+        rec["collapse_step"], rec["collapse_cause"] = found if found else (None, None)
+        rec["steps_survived"] = found[0] if found else config.max_steps
+        return rec
     # (the online shift's reward falls at every shift by design: no collapse test there)
     rec["collapse_step"] = None if study.kind == "shift" else sm.collapse_step(
         [(r["step"], r["reward_mean"]) for r in train], sweeps.REWARD_WINDOW,
@@ -393,7 +377,11 @@ def curve_rows(study: Study, variant: Variant, row: Dict, config: SAOConfig) -> 
                         reward_mean=r.get("reward_mean"), eval_accuracy=evals.get(r["step"]),
                         kl_rollout=r.get("kl_rollout"), masked_frac=r.get("masked_frac"),
                         ess=r.get("ess"), explained_variance=r.get("explained_variance"),
-                        staleness_mean=r.get("staleness_mean")))
+                        staleness_mean=r.get("staleness_mean"),
+                        response_length_mean=r.get("response_length_mean"),
+                        token_entropy_mean=r.get("token_entropy_mean"),
+                        chi2_token=r.get("chi2_token"),
+                        ratio_outside_band_frac=r.get("ratio_outside_band_frac")))
     return out
 
 
@@ -404,7 +392,7 @@ SUMMARY_METRICS = ("final_eval_accuracy", "gain", "late_gain", "mean_eval_accura
                    "critic_heldout_ev_start", "critic_heldout_ev_end", "mean_staleness",
                    "eval_steps_to_recover", "phase_mean_accuracy", "mean_steps_to_recover",
                    "phase_mean_reward", "wall_time_s",
-                   "rollouts_trained")
+                   "rollouts_trained", "steps_survived")
 SUMMARY_COLUMNS = ("study", "variant", "label", "series", "param", "n", "failed", "collapsed",
                    "collapse_steps") + tuple(f"{m}_{x}" for m in SUMMARY_METRICS
                                              for x in ("mean", "lo", "hi"))
@@ -438,6 +426,8 @@ def summary_rows(study: Study, records: Sequence[Dict]) -> List[Dict]:
 def comparison_rows(study: Study, records: Sequence[Dict]) -> List[Dict]:
     metrics = (("eval_steps_to_recover", "phase_mean_accuracy", "mean_steps_to_recover",
                 "phase_mean_reward") if study.kind == "shift" else COMPARISON_METRICS)
+    if study.kind in STABILITY_KINDS:   # + steps before the collapse (max_steps: none)
+        metrics = COMPARISON_METRICS + ("steps_survived",)
     out = []
     for a, b in study.comparisons:
         ra, rb = _ok(records, a), _ok(records, b)
@@ -483,6 +473,10 @@ def summary_markdown(study: Study, summary: Sequence[Dict], comps: Sequence[Dict
         cols += [("late_ev", "EV, 2nd half"), ("critic_heldout_ev_start", "held-out EV start"),
                  ("critic_heldout_ev_end", "held-out EV end"), ("late_kl", "KL"),
                  ("late_ess", "ESS"), ("mean_staleness", "staleness")]
+    if study.kind in STABILITY_KINDS:
+        cols = [("final_eval_accuracy", "final acc"), ("mean_eval_accuracy", "mean acc (AUC)"),
+                ("steps_survived", "steps before collapse"), ("late_kl", "KL, 2nd half"),
+                ("late_ess", "ESS, 2nd half"), ("late_masked_frac", "masked, 2nd half")]
     if study.kind == "shift":
         cols = [("eval_steps_to_recover", "steps to recover (held-out)"),
                 ("phase_mean_accuracy", "phase mean acc"),
@@ -522,9 +516,11 @@ def cells_of(study: Study) -> List[Tuple[Variant, sweeps.Cell]]:
 
 def output_names(study: Study) -> Tuple[str, ...]:
     from experiments.studies import plots as study_plots
+    from experiments.studies import stability
     return ("results.csv", "curves.csv", "summary.csv", "comparisons.csv", "summary.md",
             "study.json") + study_plots.plot_names(study) + (
-        ("recovery.csv",) if study.kind == "shift" else ())
+        ("recovery.csv",) if study.kind == "shift" else ()) + (
+        stability.output_names(study) if study.kind in STABILITY_KINDS else ())
 
 
 def study_dir(out_dir: str, study: Study) -> str:

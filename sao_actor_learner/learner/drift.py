@@ -10,12 +10,16 @@ as the losses) and w_t = exp(d_t):
                       estimate of KL(mu || pi_theta)); ppl_ratio its exp
   ppl_ratio_seq_mean  mean_s exp(-mean_{t in s} d_t) (per-sequence perplexity ratios, averaged)
   token_entropy_mean  mean_t H_t, H_t the entropy of the current sampling distribution at t
+  ratio_outside_band_frac  the fraction of action tokens with w_t outside DIS's band
+                      [1 - eps_low, 1 + eps_high], whatever the loss (DIS's masked_frac; a
+                      drift indicator also for losses that mask nothing against the behaviour
+                      policy, e.g. PPO-clip at one minibatch)
 plus advantage statistics over the action tokens and per-rollout staleness spans.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,6 +56,17 @@ def ratio_metrics(logp: torch.Tensor, rollout_logp: torch.Tensor,
     return {"chi2_token": chi2_token, "chi2_seq": chi2_seq, "log_ppl_ratio": log_ppl,
             "ppl_ratio": math.exp(log_ppl),
             "ppl_ratio_seq_mean": float(torch.exp(seq_log_ppl).mean())}
+
+
+def outside_band_frac(logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                      low: float, high: float) -> float:
+    """The fraction of action tokens whose ratio exp(d_t) is < low or > high (0 when there
+    are none): the tokens DIS with the band [low, high] masks."""
+    m = mask.bool()
+    if not bool(m.any()):
+        return 0.0
+    w = torch.exp(log_ratios(logp, rollout_logp, mask))[m]
+    return float(((w < low) | (w > high)).double().mean())
 
 
 def token_entropy_mean(entropy: torch.Tensor, mask: torch.Tensor) -> float:
@@ -95,11 +110,15 @@ def staleness_stats(rollout_staleness: Sequence[int], spans: Sequence[int]) -> D
 
 
 def drift_stats(logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, entropy: Optional[torch.Tensor] = None) -> Dict[str, float]:
+                mask: torch.Tensor, entropy: Optional[torch.Tensor] = None,
+                band: Optional[Tuple[float, float]] = None) -> Dict[str, float]:
     """Everything above a policy step logs from its tensors: ratio_metrics, advantage_stats,
-    and token_entropy_mean when the step's forward gave the entropies."""
+    token_entropy_mean when the step's forward gave the entropies, and
+    ratio_outside_band_frac when `band` (low, high) is given."""
     stats = ratio_metrics(logp, rollout_logp, mask)
     stats.update(advantage_stats(advantages, mask))
+    if band is not None:
+        stats["ratio_outside_band_frac"] = outside_band_frac(logp, rollout_logp, mask, *band)
     if entropy is not None:
         stats["token_entropy_mean"] = token_entropy_mean(entropy, mask)
     return stats

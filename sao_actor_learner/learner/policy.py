@@ -358,7 +358,8 @@ class PolicyTrainer:
         """The loss's statistics on the whole batch of the whole group, from the detached
         per-token log-probs the step computed (the loss value included: it is the loss of the
         parameters before the step, as every micro-batch saw them), and the drift metrics
-        (drift.drift_stats; token_entropy_mean when `entropy` is given)."""
+        (drift.drift_stats; token_entropy_mean when `entropy` is given; ratio_outside_band_frac
+        against DIS's band whatever the loss)."""
         tensors = {"logp": logp, "rollout_logp": batch.rollout_logp.float(),
                    "advantages": advantages.float(), "mask": batch.action_mask.float()}
         if old_logp is not None:
@@ -371,7 +372,9 @@ class PolicyTrainer:
                 self.config.policy_loss, t["logp"], t["rollout_logp"], t["advantages"],
                 t["mask"], t.get("old_logp"), options=self.config)
             stats.update(drift.drift_stats(t["logp"], t["rollout_logp"], t["advantages"],
-                                           t["mask"], t.get("entropy")))
+                                           t["mask"], t.get("entropy"),
+                                           band=(1.0 - self.config.eps_low,
+                                                 1.0 + self.config.eps_high)))
         return stats
 
     # Checkpoints ------------------------------------------------------------------------------

@@ -48,11 +48,13 @@ def assert_outputs(folder, study):
     assert [r["variant"] for r in summary] == [v.id for v in study.variants]
     assert all(r["n"] == str(len(study.variant(r["variant"]).seeds or study.seeds))
                for r in summary)
-    for r in summary:   # a 95% interval around every mean
+    for r in summary:   # a 95% interval around every mean of two seeds or more
+        if int(r["n"]) < 2:
+            continue
         assert float(r["final_eval_accuracy_lo"]) <= float(r["final_eval_accuracy_mean"]) <= \
             float(r["final_eval_accuracy_hi"])
     comps = rows_of(os.path.join(folder, "comparisons.csv"))
-    assert list(comps[0]) == list(studies.COMPARISON_COLUMNS)
+    assert not comps or list(comps[0]) == list(studies.COMPARISON_COLUMNS)
     assert {(c["a"], c["b"]) for c in comps} == set(study.comparisons)
     assert all(c["verdict"] in ("higher", "lower", "indistinguishable") for c in comps)
     for c in comps:   # p-values adjusted per metric: p <= Holm <= Bonferroni, Welch's p <-> CI
@@ -75,9 +77,9 @@ def assert_outputs(folder, study):
         assert f["survive_holm"] == sum(c["metric"] == metric and c["survives_holm"] == "yes"
                                         for c in comps)
     primary = families.get("final_eval_accuracy", {"comparisons": 0, "survive_holm": 0})
-    with open(os.path.join(folder, "summary.md")) as f:
-        assert (f"{primary['comparisons']} comparisons on final accuracy; "
-                f"{primary['survive_holm']} survive Holm at 0.05") in f.read()
+    with open(os.path.join(folder, "summary.md")) as f:   # (a study may compare nothing)
+        assert not comps or (f"{primary['comparisons']} comparisons on final accuracy; "
+                             f"{primary['survive_holm']} survive Holm at 0.05") in f.read()
     return results, summary, curves, info
 
 
@@ -85,7 +87,9 @@ def assert_outputs(folder, study):
 def test_presets_are_well_formed_and_cells_sharing_a_folder_are_one_config():
     by_name = {}
     for study in studies.STUDIES.values():
-        assert len(study.seeds) >= 3, study.name
+        # (the stability calibration and pilot are single runs, not comparisons over seeds)
+        assert len(study.seeds) >= 3 or study.name in ("stability_calibration",
+                                                       "stability_pilot"), study.name
         ids = [v.id for v in study.variants]
         assert len(ids) == len(set(ids)), study.name
         for a, b in study.comparisons:

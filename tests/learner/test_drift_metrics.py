@@ -137,6 +137,21 @@ def test_token_entropy_mean_is_the_mean_over_action_tokens_only():
     assert drift.token_entropy_mean(ent, mask) == pytest.approx(sum(cells) / len(cells))
 
 
+@pytest.mark.parametrize("seed", [0, 5])
+def test_outside_band_frac_equals_the_slow_count(seed):
+    logp, rollout_logp, _, mask = batch_with_padding(seed)
+    low, high = 0.7, 1.4
+    cells = [math.exp(clamp(float(logp[b, t]) - float(rollout_logp[b, t])))
+             for b in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[b, t]]
+    slow = sum(w < low or w > high for w in cells) / len(cells)
+    assert 0.0 < slow < 1.0
+    assert drift.outside_band_frac(logp, rollout_logp, mask, low, high) == pytest.approx(slow)
+    assert drift.outside_band_frac(logp, rollout_logp, torch.zeros_like(mask), low, high) == 0.0
+    stats = drift.drift_stats(logp, rollout_logp, logp, mask, band=(low, high))
+    assert stats["ratio_outside_band_frac"] == pytest.approx(slow)
+    assert "ratio_outside_band_frac" not in drift.drift_stats(logp, rollout_logp, logp, mask)
+
+
 def test_version_spans_and_staleness_stats_equal_the_slow_version():
     versions = torch.tensor([[-1, 3, 3, 4, 6, -1], [-1, -1, 5, -1, 5, 5],
                              [-1, -1, -1, -1, -1, -1], [-1, 2, 9, -1, -1, -1]])
@@ -252,6 +267,12 @@ def test_the_policy_step_logs_the_drift_metrics_of_its_own_log_probs(overrides):
         assert key in stats
     assert 0.0 < stats["advantage_pos_frac"] < 1.0
     assert stats["drift_alarm_ess_low"] == 0
+    # the token of rollout 0 shifted by 0.5 has ratio e^-0.5 < 1 - eps_low: outside DIS's band
+    # whatever the loss, and for DIS the band's fraction is its masked fraction
+    n = float(batch.action_mask.sum())
+    assert stats["ratio_outside_band_frac"] == pytest.approx(1.0 / n)
+    if overrides.get("policy_loss", "dis") == "dis":
+        assert stats["ratio_outside_band_frac"] == pytest.approx(stats["masked_frac"])
 
 
 def test_token_entropy_off_leaves_the_metric_out():
