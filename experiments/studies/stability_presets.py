@@ -16,10 +16,9 @@ staleness 8 give a KL between the rollout's policy and the learner's of ~0.17 wh
   drift probe's point): the pipeline end to end. Its k = 0 and 8 cells are the calibration's
   at lr 2e-4 and batch 32, so they are not run again there.
 
-Arms behind a switch (the flags they need are not in every checkout yet): the decoupled PPO
-loss (ENABLE_DECOUPLED), a staleness-lag distribution (ENABLE_LAG_DISTRIBUTION) and a
-precision mismatch between actors and learner (ENABLE_PRECISION_MISMATCH). Turning one on adds
-its variants and cells; the cells already run are kept (resuming).
+Beside the five arms: the decoupled PPO loss (GRPO + `ppo_clip_decoupled`) at every k, a
+geometric staleness-lag distribution with mean DRIFT_K (SAO and GRPO), and a precision mismatch
+at k = 0 (bf16 actors, fp32 learner; SAO, GRPO and GRPO + TIS).
 """
 from __future__ import annotations
 
@@ -28,12 +27,12 @@ from typing import Dict, Optional, Tuple
 
 from experiments.studies.study_types import Study, Variant
 
-# --- switches for arms whose flags land separately ------------------------------------------
-ENABLE_DECOUPLED = False            # policy_loss=ppo_clip_decoupled (proximal clip, behaviour IS)
-DECOUPLED_LOSS = "ppo_clip_decoupled"
-ENABLE_LAG_DISTRIBUTION = False     # --forced_staleness_distribution (constant|geometric|zipf)
-LAG_DISTRIBUTION = (("forced_staleness_distribution", "geometric"),)
-ENABLE_PRECISION_MISMATCH = False   # --actor_dtype: actors sample from a bf16 copy
+# --- the drift arms beside the five methods ---------------------------------------------------
+DECOUPLED_LOSS = "ppo_clip_decoupled"   # proximal clip, behaviour importance weight
+# A geometric lag with mean k lives on {0..max_staleness} and needs max_staleness > 2k
+# (config/drift.py): the tail reaches 4k.
+LAG_DISTRIBUTION = (("forced_staleness_distribution", "geometric"), ("max_staleness", 32))
+# --actor_dtype: actors sample from a bf16 copy, the learner trains in fp32
 PRECISION_MISMATCH = (("actor_dtype", "bfloat16"),)
 
 # --- the workload -----------------------------------------------------------------------------
@@ -74,10 +73,8 @@ def arms(batch: int = STABILITY_BATCH) -> Tuple[Tuple[str, str, str, str, tuple,
            ("grpo", "GRPO + PPO-clip", "grpo", groups, (), ""),
            ("grpo_dis", "GRPO + DIS", "grpo_dis", groups, (), ""),
            ("grpo_tis", "GRPO + TIS", "grpo_tis", groups, (), ""))
-    if ENABLE_DECOUPLED:
-        out += (("grpo_decoupled", "GRPO + decoupled PPO-clip", "grpo", groups,
-                 (("policy_loss", DECOUPLED_LOSS),), "decoupled"),)
-    return out
+    return out + (("grpo_decoupled", "GRPO + decoupled PPO-clip", "grpo", groups,
+                   (("policy_loss", DECOUPLED_LOSS),), "decoupled"),)
 
 
 def _tag(*parts: str) -> str:
@@ -109,22 +106,20 @@ def _stability(policy_lr: Optional[float] = None) -> Study:
                           extra=_vp(n) + lr, tag=_tag("stab", f"vp{n}", lr_tag),
                           series="critic quality",
                           param=n, seeds=FEW))
-    if ENABLE_LAG_DISTRIBUTION:
-        for aid, label, method, shape, extra, tag in arms():
-            if aid in ("sao", "grpo"):
-                vs.append(Variant(f"{aid}_lag{DRIFT_K}", f"{label}, geometric lag, mean "
-                                  f"{DRIFT_K}", method, shape, DRIFT_K, "forced",
-                                  extra=extra + lr + LAG_DISTRIBUTION,
-                                  tag=_tag("stab", tag, lr_tag, "lag"),
-                                  series="lag distribution", param=DRIFT_K, seeds=FEW))
-    if ENABLE_PRECISION_MISMATCH:
-        for aid, label, method, shape, extra, tag in arms():
-            if aid in ("sao", "grpo", "grpo_tis"):
-                vs.append(Variant(f"{aid}_bf16", f"{label}, bf16 actors, k=0", method, shape,
-                                  0, "forced", extra=extra + lr + PRECISION_MISMATCH,
-                                  tag=_tag("stab", tag, lr_tag, "bf16"),
-                                  series="precision mismatch",
-                                  param=0, seeds=FEW))
+    for aid, label, method, shape, extra, tag in arms():
+        if aid in ("sao", "grpo"):
+            vs.append(Variant(f"{aid}_lag{DRIFT_K}", f"{label}, geometric lag, mean "
+                              f"{DRIFT_K}", method, shape, DRIFT_K, "forced",
+                              extra=extra + lr + LAG_DISTRIBUTION,
+                              tag=_tag("stab", tag, lr_tag, "lag"),
+                              series="lag distribution", param=DRIFT_K, seeds=FEW))
+    for aid, label, method, shape, extra, tag in arms():
+        if aid in ("sao", "grpo", "grpo_tis"):
+            vs.append(Variant(f"{aid}_bf16", f"{label}, bf16 actors, k=0", method, shape,
+                              0, "forced", extra=extra + lr + PRECISION_MISMATCH,
+                              tag=_tag("stab", tag, lr_tag, "bf16"),
+                              series="precision mismatch",
+                              param=0, seeds=FEW))
     ids = [a[0] for a in arms()]
     comps = [(f"sao_k{HEADLINE_K}", f"grpo_k{HEADLINE_K}")]
     comps += [(f"sao_k{k}", f"{a}_k{k}") for k in STALENESS_K for a in ids[1:]

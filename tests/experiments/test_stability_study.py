@@ -88,25 +88,20 @@ def test_every_cell_builds_a_valid_config_with_the_promised_sizes():
                 mine[cell.name], run_dir="")
 
 
-def test_arms_behind_a_switch_are_off_and_appear_when_switched_on(monkeypatch):
+def test_the_drift_arms_are_in_the_study_and_their_configs_build():
     study = studies.STUDIES["stability"]
-    assert not any(v.series in ("lag distribution", "precision mismatch") or "decoupled" in v.id
-                   for v in study.variants)
-    for switch in ("ENABLE_DECOUPLED", "ENABLE_LAG_DISTRIBUTION", "ENABLE_PRECISION_MISMATCH"):
-        monkeypatch.setattr(sp, switch, True)
-    on = sp.STUDIES_FACTORY["stability"]()
-    extra = [v for v in on.variants if v.id not in {w.id for w in study.variants}]
-    assert {v.id for v in extra} >= {"grpo_decoupled_k0", "grpo_decoupled_k32", "sao_lag8",
-                                     "grpo_lag8", "sao_bf16", "grpo_bf16"}
-    assert {dict(v.extra).get("policy_loss") for v in extra if "decoupled" in v.id} == {
-        sp.DECOUPLED_LOSS}
-    fields = {f.name for f in dataclasses.fields(SAOConfig)}
-    for v in extra:   # the configs of the arms whose flags exist in this checkout build
-        if set(dict(v.extra)) <= fields:
-            try:
-                v.cell(0).config(SAOConfig(**dict(on.base)), "/tmp/unused")
-            except Exception as e:   # a loss name not registered yet
-                assert sp.DECOUPLED_LOSS in str(e), e
+    ids = {v.id for v in study.variants}
+    assert ids >= {"grpo_decoupled_k0", "grpo_decoupled_k32", "sao_lag8", "grpo_lag8",
+                   "sao_bf16", "grpo_bf16", "grpo_tis_bf16"}
+    by_id = {v.id: v for v in study.variants}
+    assert dict(by_id["grpo_decoupled_k8"].extra)["policy_loss"] == sp.DECOUPLED_LOSS
+    for vid in ("sao_lag8", "grpo_lag8", "sao_bf16"):
+        config = by_id[vid].cell(0).config(SAOConfig(**dict(study.base)), "/tmp/unused")
+        if vid.endswith("lag8"):
+            assert config.forced_staleness_distribution == "geometric"
+            assert config.forced_staleness == 8 and config.max_staleness > 16
+        else:
+            assert config.actor_dtype == "bfloat16" and config.forced_staleness == 0
 
 
 # --- outputs, from finished runs written here ---------------------------------------------------
