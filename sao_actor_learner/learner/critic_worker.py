@@ -128,8 +128,20 @@ class CriticUpdate:
                 "critic_version": version, "critic_lag_steps": lag,
                 "critic_concurrent": int(self.concurrent)}
 
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def settle(self) -> None:
+        """Joins a pending update (its statistics dropped): nothing reads the critic while it
+        is being trained. A learner step always joins its own; this is for what reads the
+        critic after a step that failed half-way (a checkpoint, the end of the run)."""
+        if self._pending is not None:
+            self.join()
+
     def close(self) -> None:
-        """Ends the worker thread (after the pending update, if any, was joined)."""
+        """Ends the worker thread, after a pending update."""
+        self.settle()
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join()

@@ -17,7 +17,7 @@ if "triton" not in sys.modules:  # the Triton interpreter must be chosen before 
 import pytest
 import torch
 
-from sao_actor_learner.learner_builder import make_critic_update
+from sao_actor_learner.learner_builder import assemble_learner, make_critic, make_critic_update
 from sao_actor_learner.config import ConfigError, SAOConfig
 from sao_actor_learner.config.sections import PROGRAM_GROUPS
 from sao_actor_learner.launch.placement import (CPU_SET_ENV, GroupPlacement,
@@ -246,3 +246,24 @@ def test_the_learner_step_benchmark_compares_the_critic_in_sequence_and_concurre
     [ratio] = result["concurrent_ratios"]
     assert ratio["speedup_off_over_on"] == pytest.approx(cells["off"]["step_s"] /
                                                          cells["on"]["step_s"])
+
+
+def test_the_learner_state_waits_for_a_pending_critic_update():
+    """A checkpoint never reads a critic in the middle of its steps (a step that failed after
+    starting the critic leaves one pending)."""
+    config = SAOConfig(batch_size=6, actor_batch=6, max_steps=3, critic_concurrent=True)
+    policy = tiny_policy("llama")
+    learner = assemble_learner(config, policy, make_critic(config, policy), _StreamReader([]))
+    batch = collate(drifting(learner, rollouts(seed=33)))
+    estimate = learner.estimator.estimate(batch)
+    learner.critic_update.start(batch, estimate)
+    assert learner.critic_update.pending
+    reference = learner_for()
+    reference.estimator.update(batch, reference.estimator.estimate(batch))
+    state = learner.learner_state()
+    assert not learner.critic_update.pending
+    for (name, p), q in zip(reference.estimator.critic.named_parameters(),
+                            learner.estimator.critic.parameters()):
+        assert torch.equal(p, q), name
+    assert int(state["estimator"]["critic_opt"]["state"][0]["step"]) == 2
+    learner.critic_update.close()
