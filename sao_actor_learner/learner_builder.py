@@ -34,10 +34,41 @@ def make_critic(config: SAOConfig, policy, collective=None):
     critic = ValueModel.load(config.critic_model) if config.critic_model else \
         ValueModel.from_policy(policy)
     critic.freeze(config.critic_frozen_patterns)
-    critic.to(policy.get_input_embeddings().weight.device)
+    critic.to(critic_device(config, policy.get_input_embeddings().weight.device))
     distributed.prepare_module(critic, config.learner_strategy, collective,
                                layers=getattr(critic.body, "layers", ()))
     return critic
+
+
+def critic_device(config: SAOConfig, policy_device):
+    """The critic's device: --placement's critic:gpuN (its index in the learner's process) with
+    critic_concurrent, else the policy's."""
+    import torch
+
+    from sao_actor_learner.config.sections import PROGRAM_GROUPS
+    from sao_actor_learner.launch.placement import critic_placement
+    _, gpu = critic_placement(config.placement, PROGRAM_GROUPS)
+    return torch.device("cuda", gpu) if gpu is not None and config.critic_concurrent \
+        else policy_device
+
+
+def make_critic_update(config: SAOConfig, estimator, policy):
+    """The learner's critic_worker.CriticUpdate: in sequence, or with critic_concurrent in a
+    thread of its own on --placement's critic cores. A concurrent critic refuses networks with
+    dropout (their draws from torch's generator would interleave differently run to run)."""
+    from sao_actor_learner.config.sections import PROGRAM_GROUPS
+    from sao_actor_learner.launch.placement import critic_placement
+    from sao_actor_learner.learner.critic_worker import CriticUpdate, dropout_settings
+    if not config.critic_concurrent:
+        return CriticUpdate(estimator)
+    dropout = dropout_settings(policy, estimator.critic.body)
+    if dropout:
+        raise ValueError(f"critic_concurrent=True with dropout in the networks "
+                         f"({', '.join(dropout[:4])}): the policy's and the critic's threads "
+                         "would draw from torch's generator in a varying order; use models "
+                         "without dropout or drop --critic_concurrent")
+    cores, _ = critic_placement(config.placement, PROGRAM_GROUPS)
+    return CriticUpdate(estimator, concurrent=True, cores=cores)
 
 
 def assemble_learner(config: SAOConfig, policy, critic=None, source=None, *, publisher=None,
@@ -79,7 +110,8 @@ def assemble_learner(config: SAOConfig, policy, critic=None, source=None, *, pub
                    serialize=serialize, logger=logger, checkpoint_root=checkpoint_root,
                    tokenizer=tokenizer, keep_checkpoints=config.keep_checkpoints, pad_id=pad_id,
                    journal_max_bytes=config.journal_max_mb << 20,
-                   collective=collective, evaluation=evaluation)
+                   collective=collective, evaluation=evaluation,
+                   critic_update=make_critic_update(config, estimator, policy))
 
 
 def _critic_yardstick(config: SAOConfig, collective, pad_id: int):

@@ -4,7 +4,8 @@
 system: the model directory has a config (a JSON object), a tokenizer and intact weights
 (every safetensors header read, the file's size checked against it, the embedding against
 vocab_size); a critic directory has a config and intact weights, the policy's model_type, sizes
-and vocab_size, and no tokenizer or the policy's (models/model_dir.check_critic_dir). Checks
+and vocab_size, and no tokenizer or the policy's (models/model_dir.check_critic_dir); with
+critic_concurrent, neither config.json sets a dropout above 0 (`check_no_dropout`). Checks
 that need the model's tokenizer or architecture (which import torch and transformers, ~300 MB the
 launcher would keep for the whole run) run in a short-lived subprocess (`python -m
 sao_actor_learner.preflight`, the config as JSON on stdin):
@@ -98,6 +99,8 @@ def check_inputs(config: SAOConfig) -> Dict:
             check_critic_dir(config.critic_model, config.model)
         except ModelDirError as e:
             raise ConfigError(str(e)) from None
+    if config.critic_concurrent:
+        check_no_dropout(config)
     if not needs_model_checks(config):
         return {}
     key = verdict_key(config)
@@ -108,6 +111,26 @@ def check_inputs(config: SAOConfig) -> Dict:
     if key:
         disk_cache.save_json("preflight", key, {"stats": stats})
     return stats
+
+
+def check_no_dropout(config: SAOConfig) -> None:
+    """critic_concurrent: the model's (and the critic's) config.json sets no dropout above 0
+    (the two threads' training-mode forwards would draw from torch's one generator in an order
+    that changes from run to run; learner/critic_worker.py)."""
+    for flag, directory in (("--model", config.model), ("--critic_model", config.critic_model)):
+        path = os.path.join(directory, "config.json") if directory else ""
+        if not path or not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            fields = json.load(f)
+        found = [f"{k}={v}" for k, v in fields.items() if ("dropout" in k or "pdrop" in k)
+                 and isinstance(v, (int, float)) and v > 0]
+        if found:
+            raise ConfigError(f"--critic_concurrent=true with {flag}={directory!r}, whose "
+                              f"config.json sets {', '.join(found)}: dropout draws from torch's "
+                              "one generator in both threads, in an order that changes from "
+                              "run to run; drop --critic_concurrent or use a model without "
+                              "dropout")
 
 
 def verdict_key(config: SAOConfig):

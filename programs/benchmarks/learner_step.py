@@ -33,6 +33,17 @@ first of the K critic steps reuses the estimate's forward): --savings=off,on run
 without and with them; "savings_ratios" gives each part of the step (estimate, policy step,
 critic steps) both ways. Both give the same parameters (tests/learner/test_exact_savings.py).
 
+The critic off the policy's critical path (config critic_concurrent, learner/critic_worker.py:
+the K critic steps in a thread of their own during the policy step, exact): --critic_concurrent=
+off,on runs every cell both ways; --placement=learner:cpu0,critic:cpu1 pins the cell's process
+to the learner's cores (its torch threads: one per core) and, in the "on" cells, the critic's
+thread to its own. "concurrent_ratios" gives the sequential step over the concurrent one
+(speedup), with critic_wait_s (the critic's seconds left on the critical path after the policy
+step) and critic_overlap_frac. On a quiet machine:
+    python programs/benchmarks/learner_step.py --sizes=small --micro_batch_tokens=0 \
+        --dtypes=float32 --lengths_file=results/learner_step/gsm_tiny_lengths.json --batch=16 \
+        --steps=5 --critic_concurrent=off,on --placement=learner:cpu0,critic:cpu1
+
 LoRA vs full fine-tuning of the policy (config lora_rank, models/lora.py): --lora_ranks=0,16
 runs every cell with full fine-tuning and rank-16 adapters (the architecture's default targets,
 alpha = 2 x rank; the critic stays a full copy of the base body). Each cell also reports the
@@ -102,6 +113,13 @@ flags.DEFINE_list("savings", ["on"], "the learner step's exact savings (logprob_
 flags.DEFINE_string("cell_savings", "on", "internal: the savings of the --cell run")
 flags.DEFINE_integer("critic_minibatches", 1, "critic optimizer steps per epoch (the dataset "
                      "recipe's 2: the reused forward is then the first slice's)")
+flags.DEFINE_list("critic_concurrent", ["off"], "the critic's K steps in sequence (off) or in a "
+                  "thread of their own during the policy step (on), or off,on to compare "
+                  "(concurrent_ratios)")
+flags.DEFINE_string("cell_critic_concurrent", "off", "internal: critic_concurrent of the --cell run")
+flags.DEFINE_list("placement", [], "learner:cpuN[-M] pins each cell's process (and sizes its torch "
+                  "threads); critic:cpuN[-M] pins the concurrent critic's thread (config "
+                  "--placement's critic entry)")
 flags.DEFINE_integer("top_ops", 0, "profile one more step of each cell with torch.profiler and "
                      "report its N largest operators by self CPU time (0: no profile)")
 flags.DEFINE_integer("max_cell_s", 1800, "a cell running longer than this is reported as such")
@@ -115,10 +133,28 @@ def run_cell(size: str, micro: int, dtype: str) -> dict:
 
     from sao_actor_learner.builder import assemble_learner
     from sao_actor_learner.config import SAOConfig
+    from sao_actor_learner.learner_builder import critic_device
     from sao_actor_learner.models.value import ValueModel
     from sao_actor_learner.types import Rollout, collate
 
-    torch.set_num_threads(FLAGS.threads)
+    concurrent = FLAGS.cell_critic_concurrent == "on"
+    shapes = _rollout_shapes()   # (length, prompt length) per rollout
+    config = SAOConfig(batch_size=FLAGS.batch, actor_batch=FLAGS.batch, max_steps=10,
+                       micro_batch_tokens=micro, dtype=dtype, fused_logprobs=True,
+                       micro_batch_layout=FLAGS.cell_layout,
+                       gradient_checkpointing=FLAGS.gradient_checkpointing,
+                       max_sequence_length=max([FLAGS.seq_len] + [n for n, _ in shapes]) + 1,
+                       max_new_tokens=FLAGS.seq_len // 2,
+                       logprob_positions="actions" if FLAGS.cell_savings == "on" else "all",
+                       critic_reuse_estimate_forward=FLAGS.cell_savings == "on",
+                       critic_minibatches=FLAGS.critic_minibatches,
+                       critic_concurrent=concurrent,
+                       placement=tuple(e for e in FLAGS.placement if e.startswith("critic:"))
+                       if concurrent else ())   # checked against every core, before pinning
+    learner_cores = _learner_cores()
+    if learner_cores:   # before torch starts its threads: they inherit the cores
+        os.sched_setaffinity(0, learner_cores)
+    torch.set_num_threads(len(learner_cores) or FLAGS.threads)
     device = torch.device(FLAGS.device)
     shape = SIZES.get(size)
     torch.manual_seed(0)
@@ -130,19 +166,9 @@ def run_cell(size: str, micro: int, dtype: str) -> dict:
         policy = Qwen3ForCausalLM(Qwen3Config(**shape, tie_word_embeddings=True,
                                               max_position_embeddings=max(4096, FLAGS.seq_len)))
     policy.to(device)
-    shapes = _rollout_shapes()   # (length, prompt length) per rollout
-    config = SAOConfig(batch_size=FLAGS.batch, actor_batch=FLAGS.batch, max_steps=10,
-                       micro_batch_tokens=micro, dtype=dtype, fused_logprobs=True,
-                       micro_batch_layout=FLAGS.cell_layout,
-                       gradient_checkpointing=FLAGS.gradient_checkpointing,
-                       max_sequence_length=max([FLAGS.seq_len] + [n for n, _ in shapes]) + 1,
-                       max_new_tokens=FLAGS.seq_len // 2,
-                       logprob_positions="actions" if FLAGS.cell_savings == "on" else "all",
-                       critic_reuse_estimate_forward=FLAGS.cell_savings == "on",
-                       critic_minibatches=FLAGS.critic_minibatches)
     critic = ValueModel.from_policy(policy)
     critic.freeze(config.critic_frozen_patterns)
-    critic.to(device)
+    critic.to(critic_device(config, device))   # critic:gpuN with --critic_concurrent=on
     if FLAGS.cell_lora_rank:   # after the critic's copy of the body: the critic stays full
         from sao_actor_learner.models import lora
         lora.add_adapters(policy, lora.LoraSpec(FLAGS.cell_lora_rank, 2.0 * FLAGS.cell_lora_rank))
@@ -169,7 +195,9 @@ def run_cell(size: str, micro: int, dtype: str) -> dict:
         base = torch.cuda.memory_allocated()
     else:
         base = _rss_bytes()
-    times, policy_times, parts = [], [], {"estimate_s": [], "critic_step_s": []}
+    times, policy_times = [], []
+    parts = {k: [] for k in ("estimate_s", "critic_step_s", "critic_wait_s",
+                             "critic_overlap_frac")}
     for i in range(FLAGS.steps + 1):
         t0 = time.perf_counter()
         stats = learner.update(batch)
@@ -204,6 +232,8 @@ def run_cell(size: str, micro: int, dtype: str) -> dict:
            "lora_rank": FLAGS.cell_lora_rank, "policy_step_s": statistics.median(policy_times),
            **{key: statistics.median(v) for key, v in parts.items()},
            "savings": FLAGS.cell_savings, "top_ops": top_ops,
+           "critic_concurrent": FLAGS.cell_critic_concurrent,
+           "placement": ",".join(FLAGS.placement) if FLAGS.placement else "",
            "trainable_params": sum(p.numel() for p in policy.parameters() if p.requires_grad),
            "padded_tokens": len(shapes) * max(n for n, _ in shapes),
            "lengths_file": FLAGS.lengths_file,
@@ -213,6 +243,14 @@ def run_cell(size: str, micro: int, dtype: str) -> dict:
     if device.type == "cuda":
         out["mfu"] = flops / step_s / (FLAGS.peak_tflops * 1e12)
     return out
+
+
+def _learner_cores() -> tuple:
+    """The cores --placement gives the learner (empty: not placed)."""
+    from sao_actor_learner.config.sections import PROGRAM_GROUPS
+    from sao_actor_learner.launch.placement import IN_PROCESS_GROUPS, parse_placement
+    placement = parse_placement(FLAGS.placement, PROGRAM_GROUPS + IN_PROCESS_GROUPS)
+    return placement["learner"].cpus if "learner" in placement else ()
 
 
 def _profile_step(learner, batch, n: int) -> list:
@@ -248,10 +286,10 @@ def _ratios(cells: list) -> list:
     for c in cells:
         if "error" not in c:
             by_key.setdefault((c["size"], c["micro_batch_tokens"], c["dtype"],
-                               c.get("lora_rank", 0)), {})[
+                               c.get("lora_rank", 0), c.get("critic_concurrent", "off")), {})[
                 c.get("layout", "padded")] = c
     out = []
-    for (size, micro, dtype, _), pair in by_key.items():
+    for (size, micro, dtype, _, _), pair in by_key.items():
         if {"padded", "packed"} <= set(pair):
             a, b = pair["padded"], pair["packed"]
             out.append({"size": size, "micro_batch_tokens": micro, "dtype": dtype,
@@ -268,9 +306,10 @@ def _lora_ratios(cells: list) -> list:
     for c in cells:
         if "error" not in c:
             by_key.setdefault((c["size"], c["micro_batch_tokens"], c["dtype"],
-                               c.get("layout", "padded")), {})[c.get("lora_rank", 0)] = c
+                               c.get("layout", "padded"), c.get("critic_concurrent", "off")),
+                              {})[c.get("lora_rank", 0)] = c
     out = []
-    for (size, micro, dtype, layout), by_rank in by_key.items():
+    for (size, micro, dtype, layout, _), by_rank in by_key.items():
         full = by_rank.get(0)
         for rank, c in sorted(by_rank.items()):
             if full is None or not rank:
@@ -293,9 +332,10 @@ def _savings_ratios(cells: list) -> list:
     for c in cells:
         if "error" not in c:
             by_key.setdefault((c["size"], c["micro_batch_tokens"], c["dtype"], c["layout"],
-                               c.get("lora_rank", 0)), {})[c.get("savings", "on")] = c
+                               c.get("lora_rank", 0), c.get("critic_concurrent", "off")),
+                              {})[c.get("savings", "on")] = c
     out = []
-    for (size, micro, dtype, layout, rank), pair in by_key.items():
+    for (size, micro, dtype, layout, rank, _), pair in by_key.items():
         if {"off", "on"} <= set(pair):
             off, on = pair["off"], pair["on"]
             out.append({"size": size, "micro_batch_tokens": micro, "dtype": dtype,
@@ -307,6 +347,29 @@ def _savings_ratios(cells: list) -> list:
                         "step_s_on_over_off": on["step_s"] / off["step_s"],
                         "peak_above_model_mib_off": off["peak_above_model_mib"],
                         "peak_above_model_mib_on": on["peak_above_model_mib"]})
+    return out
+
+
+def _concurrent_ratios(cells: list) -> list:
+    """The sequential step over the concurrent one, per cell measured both ways."""
+    by_key = {}
+    for c in cells:
+        if "error" not in c:
+            by_key.setdefault((c["size"], c["micro_batch_tokens"], c["dtype"], c["layout"],
+                               c.get("lora_rank", 0), c.get("savings", "on")), {})[
+                c.get("critic_concurrent", "off")] = c
+    out = []
+    for (size, micro, dtype, layout, rank, saving), pair in by_key.items():
+        if {"off", "on"} <= set(pair):
+            off, on = pair["off"], pair["on"]
+            out.append({"size": size, "micro_batch_tokens": micro, "dtype": dtype,
+                        "layout": layout, "lora_rank": rank, "savings": saving,
+                        **{f"{k}_off": off[k] for k in ("step_s", "policy_step_s",
+                                                        "critic_step_s")},
+                        **{f"{k}_on": on[k] for k in ("step_s", "policy_step_s",
+                                                      "critic_step_s", "critic_wait_s",
+                                                      "critic_overlap_frac")},
+                        "speedup_off_over_on": off["step_s"] / on["step_s"]})
     return out
 
 
@@ -324,7 +387,7 @@ def main(argv):
     cells = []
     print(f"{'size':<11} {'params':>11} {'micro':>6} {'dtype':>9} {'s/step':>8} "
           f"{'tokens/s':>9} {'peak above model MiB':>21} {'model MiB':>10} {'layout':>7} "
-          f"{'lora':>4} {'savings':>7}")
+          f"{'lora':>4} {'savings':>7} {'critic':>6}")
     for size in FLAGS.sizes:
         if size not in SIZES and size not in MODEL_DIRS:
             raise SystemExit(f"--sizes: unknown {size!r}; choose from "
@@ -332,13 +395,15 @@ def main(argv):
         if size in MODEL_DIRS and not os.path.isdir(MODEL_DIRS[size]):
             raise SystemExit(f"--sizes={size}: {MODEL_DIRS[size]} is missing: run `make "
                              "real-model` first")
-        for micro, layout, rank, saving in [(m, la, int(r), sv) for m in FLAGS.micro_batch_tokens
-                                            for la in FLAGS.layouts for r in FLAGS.lora_ranks
-                                            for sv in FLAGS.savings]:
+        for micro, layout, rank, saving, conc in [
+                (m, la, int(r), sv, cc) for m in FLAGS.micro_batch_tokens for la in FLAGS.layouts
+                for r in FLAGS.lora_ranks for sv in FLAGS.savings
+                for cc in FLAGS.critic_concurrent]:
             for dtype in FLAGS.dtypes:
                 args = [sys.executable, os.path.abspath(__file__),
                         f"--cell={size},{int(micro)},{dtype}", f"--cell_layout={layout}",
-                        f"--cell_lora_rank={rank}", f"--cell_savings={saving}"] + \
+                        f"--cell_lora_rank={rank}", f"--cell_savings={saving}",
+                        f"--cell_critic_concurrent={conc}"] + \
                     [a for a in sys.argv[1:] if not a.startswith("--cell")]
                 try:
                     proc = subprocess.run(args, capture_output=True, text=True, cwd=REPO,
@@ -348,13 +413,15 @@ def main(argv):
                 except subprocess.TimeoutExpired:
                     cells.append({"size": size, "micro_batch_tokens": int(micro),
                                   "dtype": dtype, "layout": layout, "lora_rank": rank,
-                                  "savings": saving, "error": f"over {FLAGS.max_cell_s} s"})
+                                  "savings": saving, "critic_concurrent": conc,
+                                  "error": f"over {FLAGS.max_cell_s} s"})
                     continue
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
                 if proc.returncode or not lines:
                     cells.append({"size": size, "micro_batch_tokens": int(micro),
                                   "dtype": dtype, "layout": layout, "lora_rank": rank,
-                                  "savings": saving, "error": proc.stderr.strip()[-300:]})
+                                  "savings": saving, "critic_concurrent": conc,
+                                  "error": proc.stderr.strip()[-300:]})
                     print(f"{size:<11} failed: {proc.stderr.strip()[-200:]}")
                     continue
                 c = json.loads(lines[-1])
@@ -362,7 +429,8 @@ def main(argv):
                 print(f"{size:<11} {c['params']:>11,} {c['micro_batch_tokens']:>6} "
                       f"{c['dtype']:>9} {c['step_s']:>8.3f} {c['tokens_per_s']:>9.0f} "
                       f"{c['peak_above_model_mib']:>21.1f} {c['model_mib']:>10.1f}"
-                      f" {c['layout']:>7} {c['lora_rank']:>4} {c['savings']:>7}")
+                      f" {c['layout']:>7} {c['lora_rank']:>4} {c['savings']:>7}"
+                      f" {'conc' if c['critic_concurrent'] == 'on' else 'seq':>6}")
     ratios = _ratios(cells)
     savings = _savings_ratios(cells)
     for r in savings:
@@ -373,6 +441,13 @@ def main(argv):
               f"{r['policy_step_s_on']:.3f}, critic {r['critic_step_s_off']:.3f} -> "
               f"{r['critic_step_s_on']:.3f}; peak above model "
               f"{r['peak_above_model_mib_off']:.0f} -> {r['peak_above_model_mib_on']:.0f} MiB")
+    concurrent = _concurrent_ratios(cells)
+    for r in concurrent:
+        print(f"critic concurrent off/on {r['size']} micro {r['micro_batch_tokens']} "
+              f"{r['dtype']} {r['layout']}: step {r['step_s_off']:.3f} -> {r['step_s_on']:.3f} s "
+              f"(x{r['speedup_off_over_on']:.2f} faster); critic {r['critic_step_s_off']:.3f} -> "
+              f"{r['critic_step_s_on']:.3f} s, of which {r['critic_wait_s_on']:.3f} s after the "
+              f"policy step (overlap {r['critic_overlap_frac_on']:.2f})")
     lora_ratios = _lora_ratios(cells)
     for r in lora_ratios:
         print(f"lora {r['lora_rank']} / full, {r['size']} micro {r['micro_batch_tokens']} "
@@ -387,7 +462,8 @@ def main(argv):
     print(json.dumps({"benchmark": "learner_step", "device": FLAGS.device,
                       "batch": FLAGS.batch, "seq_len": FLAGS.seq_len, "threads": FLAGS.threads,
                       "lengths_file": FLAGS.lengths_file, "cells": cells, "ratios": ratios,
-                      "lora_ratios": lora_ratios, "savings_ratios": savings}))
+                      "lora_ratios": lora_ratios, "savings_ratios": savings,
+                      "concurrent_ratios": concurrent}))
 
 
 if __name__ == "__main__":

@@ -152,6 +152,10 @@ class SAOConfig(DriftConfig, NetworkConfig, TrackerConfig, LaunchConfig, EvalCon
         if self.placement and self.launch == "local_mt":
             fail(f"placement={','.join(self.placement)} needs launch=local_mp (a process per "
                  "node); under local_mt every node is a thread of one process")
+        critic_entries = [e for e in self.placement if str(e).strip().startswith("critic:")]
+        if critic_entries and not self.critic_concurrent:
+            fail(f"placement={','.join(critic_entries)} places the concurrent critic: add "
+                 "--critic_concurrent=true or drop the critic entry")
         if not self.model:
             fail(f"task={self.task!r} has no default model: pass --model=DIR, a Hugging Face "
                  "model directory (config.json, weights, tokenizer)")

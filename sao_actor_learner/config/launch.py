@@ -24,7 +24,9 @@ class LaunchConfig(Section):
                                         "cores (torch threads sized to them) and GPUs "
                                         "(CUDA_VISIBLE_DEVICES), e.g. actor:cpu0,learner:cpu1 "
                                         "or actor:gpu0-3,learner:gpu4-7. Unnamed groups run "
-                                        "anywhere; ignored with a warning under Ray.")
+                                        "anywhere; ignored with a warning under Ray. "
+                                        "critic:cpuN[-M] or critic:gpuN places the concurrent "
+                                        "critic (--critic_concurrent) in the learner's process.")
     restart_groups: Tuple[str, ...] = option(("actor", "evaluator"), "Crashed nodes of these "
                                              "groups are restarted (the learner resumes from "
                                              "its checkpoint and journal).")
@@ -65,9 +67,12 @@ class LaunchConfig(Section):
         except ValueError as e:
             fail(str(e))
         if self.placement:
-            from sao_actor_learner.launch.placement import check_placement, parse_placement
+            from sao_actor_learner.launch.placement import (IN_PROCESS_GROUPS, check_placement,
+                                                            critic_placement, parse_placement)
             try:
-                check_placement(parse_placement(self.placement, PROGRAM_GROUPS))
+                check_placement(parse_placement(self.placement,
+                                                PROGRAM_GROUPS + IN_PROCESS_GROUPS))
+                critic_placement(self.placement, PROGRAM_GROUPS)
             except ValueError as e:
                 fail(str(e))
         if bool(self.tls_cert) != bool(self.tls_key):

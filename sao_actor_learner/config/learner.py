@@ -60,6 +60,11 @@ class LearnerConfig(Section):
         "with gradient, kept through the policy step) instead of computing the same values "
         "again: exact, one critic forward of 1/critic_minibatches of the batch fewer per step; "
         "only when micro_batch_tokens=0 (the kept activations cost memory).")
+    critic_concurrent: bool = option(
+        False, "critic=separate: the K critic steps run in a thread of their own at the same "
+        "time as the policy step (after the estimate, joined before the step ends: the same "
+        "parameters as in sequence), on the cores or GPU --placement's critic entry names; "
+        "learner/critic_worker.py.")
     critic_frozen_patterns: Tuple[str, ...] = option(
         ("self_attn", "embed_tokens", "norm"), "Regexes of critic parameters kept frozen "
         "(attention, embeddings and norms); each must match some parameter.")
@@ -272,6 +277,8 @@ class LearnerConfig(Section):
                  f"{self.algorithm!r})")
         if self.critic == "shared_trunk":
             self._check_shared_trunk(fail)
+        if self.critic_concurrent:
+            self._check_concurrent_critic(fail)
         self._check_lora(fail)
         if not self.collective_timeout_s > 0:
             fail(f"collective_timeout_s={self.collective_timeout_s}: must be > 0 seconds")
@@ -302,6 +309,20 @@ class LearnerConfig(Section):
                  "ddp (the frozen base is replicated, only the adapters' gradients are "
                  "all-reduced; merging sharded weights for every publish is not supported); "
                  "use --learner_strategy=ddp or --lora_rank=0")
+
+    def _check_concurrent_critic(self, fail: Fail) -> None:
+        """critic_concurrent: the settings that need the critic after the policy step."""
+        if self.algorithm not in registry.CRITIC_ALGORITHMS:
+            fail(f"critic_concurrent=True with algorithm={self.algorithm!r}: there is no "
+                 "critic to run concurrently; drop --critic_concurrent")
+        if self.critic != "separate":
+            fail(f"critic_concurrent=True with critic={self.critic!r}: the value head shares "
+                 "the policy's trunk and trains in the policy step; use --critic=separate or "
+                 "drop --critic_concurrent")
+        if self.learners > 1:
+            fail(f"critic_concurrent=True with learners={self.learners}: the critic's and the "
+                 "policy's collectives would interleave on one process group; use "
+                 "--learners=1 or drop --critic_concurrent")
 
     def _check_shared_trunk(self, fail: Fail) -> None:
         """critic=shared_trunk: the combinations it does not support (docs/METHOD.md, the

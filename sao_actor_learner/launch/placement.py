@@ -17,6 +17,12 @@ What a placed node gets, before its interpreter starts (local_mp spawns a fresh 
 Checked against the machine before launch (`check_placement`): a core the launcher may not run
 on, or a GPU index beyond the visible ones, is a config error naming the entry.
 
+`critic` (IN_PROCESS_GROUPS) is no node: it places the concurrent critic inside the learner's
+process (--critic_concurrent, learner/critic_worker.py). `critic:cpuN[-M]`: the critic's thread
+and its torch threads are pinned to those cores (os.sched_setaffinity on the thread);
+`critic:gpuN`: the critic lives on that one GPU, which is added to the learner's
+CUDA_VISIBLE_DEVICES (`critic_placement` gives its index inside the learner's process).
+
 Pure standard library.
 """
 from __future__ import annotations
@@ -30,9 +36,10 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["GroupPlacement", "parse_placement", "check_placement", "placement_env",
            "apply_cpu_set", "node_threads", "visible_gpu_count", "placement_launch_options",
-           "CPU_SET_ENV"]
+           "CPU_SET_ENV", "IN_PROCESS_GROUPS", "critic_placement"]
 
 CPU_SET_ENV = "SAO_CPU_SET"
+IN_PROCESS_GROUPS = ("critic",)   # placed inside the learner's process, not a node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +115,10 @@ def check_placement(placement: Mapping[str, GroupPlacement],
     allowed_cpus: the cores this process may run on (default: its affinity);
     gpu_count: GPUs visible (default: `visible_gpu_count()`, only asked when a GPU is placed).
     """
+    if allowed_cpus is None and os.environ.get(CPU_SET_ENV):
+        # A placed node (pinned to its own cores) re-validating its config: the launcher
+        # checked the cores against the whole machine already.
+        allowed_cpus = [c for p in placement.values() for c in p.cpus]
     allowed = set(os.sched_getaffinity(0) if allowed_cpus is None else allowed_cpus)
     for group, p in placement.items():
         missing = [c for c in p.cpus if c not in allowed]
@@ -131,17 +142,47 @@ def _text(ids: Sequence[int]) -> str:
 
 
 def placement_env(placement: Mapping[str, GroupPlacement]) -> Dict[str, Dict[str, str]]:
-    """{group: environment variables} that put each group's processes where it is placed."""
+    """{group: environment variables} that put each group's processes where it is placed (a
+    critic GPU joins the learner's visible devices; `critic` gets no environment of its own)."""
     out: Dict[str, Dict[str, str]] = {}
     for group, p in placement.items():
+        if group in IN_PROCESS_GROUPS:
+            continue
         env: Dict[str, str] = {}
         if p.cpus:
             env[CPU_SET_ENV] = ",".join(str(c) for c in p.cpus)
             env["OMP_NUM_THREADS"] = str(len(p.cpus))
-        if p.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in p.gpus)
+        gpus = _learner_gpus(placement) if group == "learner" else p.gpus
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         out[group] = env
     return out
+
+
+def _learner_gpus(placement: Mapping[str, GroupPlacement]) -> Tuple[int, ...]:
+    """The learner's GPUs, then the critic's when the learner is placed on GPUs."""
+    learner, critic = (placement.get(g, GroupPlacement()) for g in ("learner", "critic"))
+    if not learner.gpus:
+        return ()
+    return learner.gpus + tuple(g for g in critic.gpus if g not in learner.gpus)
+
+
+def critic_placement(entries: Sequence[str],
+                     groups: Sequence[str]) -> Tuple[Tuple[int, ...], Optional[int]]:
+    """(the critic's cores, its GPU's index inside the learner's process or None) of a
+    --placement; ((), None) without a critic entry. A critic entry names one GPU at most."""
+    placement = parse_placement(entries, tuple(groups) + IN_PROCESS_GROUPS)
+    critic = placement.get("critic")
+    if critic is None:
+        return (), None
+    if len(critic.gpus) > 1:
+        raise ValueError(f"placement critic:gpu{_text(critic.gpus)}: the critic runs on one "
+                         "GPU; name one (e.g. critic:gpu1)")
+    if not critic.gpus:
+        return critic.cpus, None
+    learner_gpus = _learner_gpus(placement)
+    gpu = critic.gpus[0]
+    return critic.cpus, learner_gpus.index(gpu) if learner_gpus else gpu
 
 
 def apply_cpu_set() -> Optional[Tuple[int, ...]]:
@@ -167,7 +208,8 @@ def placement_launch_options(entries: Sequence[str], launch_type: str,
     if not entries:
         return {}
     if launch_type == "local_mp":
-        return {"group_env": placement_env(parse_placement(entries, groups))}
+        placement = parse_placement(entries, tuple(groups) + IN_PROCESS_GROUPS)
+        return {"group_env": placement_env(placement)}
     logging.warning("--placement=%s is ignored under launch=%s (it places local_mp processes; "
                     "on Ray give --ray_resources)", ",".join(entries), launch_type)
     return {}

@@ -33,6 +33,7 @@ def learner_state(learner: Learner) -> dict:
     """Everything but the policy weights that a resumed learner needs to continue exactly
     (a collective: the samplers' states and the group's totals are gathered)."""
     collective, sampler, yardstick = learner.collective, learner.sampler, learner.yardstick
+    learner.critic_update.settle()   # a concurrent critic's steps are done before it is read
     return {
         "version": learner.version, "policy": learner.policy_trainer.state_dict(),
         "estimator": learner.estimator.state_dict(),

@@ -7,6 +7,7 @@ time, attention frozen; micro-batched and summed over the learner group like the
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Dict
 
@@ -86,7 +87,22 @@ class CriticGAE(AdvantageEstimator):
                                             self.config.micro_batch_layout, self._raw_values)
         return aligned_values(raw, batch)
 
+    def on_device(self):
+        """The critic's CUDA device as the current one (its Triton kernels launch there), or
+        nothing on CPU."""
+        device = self.device
+        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
     def estimate(self, batch: Batch) -> Estimate:
+        """The advantages (on `batch`'s device; the targets and values on the critic's, which
+        may be a GPU of its own: --placement critic:gpuN)."""
+        home = batch.tokens.device
+        with self.on_device():
+            estimate = self._estimate_on_device(batch.to(self.device))
+        estimate.advantages = estimate.advantages.to(home)
+        return estimate
+
+    def _estimate_on_device(self, batch: Batch) -> Estimate:
         """The advantages from the critic's values. When the first critic step can reuse it
         (`_keeps_forward`), the forward runs with gradient and is kept in the estimate's
         forward_cache (config critic_reuse_estimate_forward); the values are the same."""
@@ -148,6 +164,10 @@ class CriticGAE(AdvantageEstimator):
         optimizer steps on consecutive slices of the rows, values recomputed each time;
         statistics of the values the advantages came from (value_loss, explained_variance) and
         of the last values computed (value_loss_last, critic_grad_norm of the last step)."""
+        with self.on_device():
+            return self._update_on_device(batch.to(self.device), estimate)
+
+    def _update_on_device(self, batch: Batch, estimate: Estimate) -> Dict[str, float]:
         cfg = self.config
         self.critic.train()
         mask = batch.action_mask

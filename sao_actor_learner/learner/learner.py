@@ -6,18 +6,18 @@ One step:
   3. `policy.step(batch, advantages)`: the policy optimizer step(s), against the rollout
      log-probs (DIS) or a recomputed old policy (PPO-clip, TIS, IcePop); with a shared-trunk
      value head its value loss joins the policy loss here (`estimator.joint_loss`);
-  4. `estimator.update(batch, estimate)`: the critic's K steps (SAO), nothing (GRPO);
+  4. `estimator.update(batch, estimate)`: the critic's K steps (SAO), nothing (GRPO); with
+     critic_concurrent during step 3 in a thread of its own (learner/critic_worker.py);
   5. version += 1; publish the weights and report progress (admission credit) to the variable
      server; log the step (with the seconds of 2, 3, 4 and the publish); checkpoint when due;
      then, with an in-process `evaluation` (evaluator=in_learner), evaluate the version when
      due, while this loop waits.
 
 The version counts policy steps only. Before the first one the critic may train alone on the
-initial policy's rollouts: value pretraining (a budget of rollouts fitted in epochs until a
-held-out plateau, learner/value_pretraining.py) and critic warm-up (`warmup_steps`, a fixed
-number of critic-only steps). Neither bumps the version, so those rollouts stay on-policy, and the
-rollouts they consume are admission credit (like rollouts dropped as stale), reported as small
-progress messages, never by re-sending weights.
+initial policy's rollouts: value pretraining (learner/value_pretraining.py) and critic warm-up
+(`warmup_steps` critic-only steps). Neither bumps the version, so those rollouts stay on-policy,
+and the rollouts they consume are admission credit (like rollouts dropped as stale), reported
+as small progress messages, never by re-sending weights.
 
 Exactly once, end to end: actors keep every rollout until the learner acknowledges it (the
 acknowledgements travel with each progress report), and re-insert what is not acknowledged when
@@ -32,11 +32,9 @@ after it, so every rank skips what any rank consumed (learner/group_keys.py). `u
 the math of steps 2-4 on a collated batch and needs no replay or network: tests drive it
 directly.
 
-The parts the loop composes: learner/critic_phases.py (value pretraining and warm-up),
-learner/progress.py (publishing, progress reports, loss epochs), learner/group_keys.py (the key
-exchange between ranks), learner/step_stats.py (the batch's staleness, reward and integrity
-statistics), learner/checkpointing.py (the learner state; checkpoints with the journal rotated;
-restoring).
+Its parts: learner/critic_phases.py (value pretraining, warm-up), progress.py (publishing,
+progress reports, loss epochs), group_keys.py (the key exchange between ranks), step_stats.py
+(staleness, reward and integrity statistics), checkpointing.py (the learner state, checkpoints).
 """
 from __future__ import annotations
 
@@ -50,6 +48,7 @@ from absl import logging
 from sao_actor_learner import core
 from sao_actor_learner.learner import (checkpointing, critic_phases, distributed, group_keys,
                                        step_stats)
+from sao_actor_learner.learner.critic_worker import CriticUpdate
 from sao_actor_learner.learner.disk_bounds import checkpoint_due
 from sao_actor_learner.learner.estimator_base import AdvantageEstimator
 from sao_actor_learner.learner.policy import PolicyTrainer
@@ -68,30 +67,27 @@ class Learner(core.Learner):
       sampler: a RolloutSampler (or GroupSampler) over the learner's RolloutSource.
       max_steps: policy versions to train.
       batch_size: rollouts per step on this rank (its share of the group's batch).
-      value_pretraining: a learner.value_pretraining.ValuePretraining (the critic fitted on a
-        budget of the initial policy's rollouts before the first policy step) or None.
-      yardstick: a CriticYardstick (the critic's EV on fixed held-out rollouts at a cadence)
-        or None; value pretraining gives one from its held-out part when this is None.
+      value_pretraining: a learner.value_pretraining.ValuePretraining or None.
+      yardstick: a CriticYardstick (the critic's EV on fixed held-out rollouts) or None;
+        value pretraining gives one from its held-out part when this is None.
       warmup_steps: critic-only steps before the first policy step (after value pretraining);
         they and value pretraining need an estimator with a critic.
-      checkpoint_every: save every this many versions (0: only at the end); needs
-        checkpoint_root.
-      publisher: a core.WeightPublisher (publish, report_progress, close) or None; used on
-        rank 0 only (learner/progress.py).
+      checkpoint_every: save every this many versions (0: only at the end).
+      publisher: a core.WeightPublisher or None; used on rank 0 only (learner/progress.py).
       serialize: state dict -> payload buffers for the publisher.
       logger: a MetricsLogger (write(row), close()) or None.
       checkpoint_root: where checkpoints go (None: none are written).
       tokenizer: saved with each checkpoint so it is a model directory.
       keep_checkpoints: the newest kept (0: all).
       pad_id: the id padding batches.
-      journal_max_bytes: also checkpoint once the journal since the newest checkpoint holds
-        this many bytes (all ranks together; 0: no limit), which bounds the journal.
+      journal_max_bytes: also checkpoint once the journal holds this many bytes (0: no limit).
       collective: the learner group.
-      evaluation: an actors.evaluator.InLearnerEvaluation or None: called as
-        evaluation(version, weights) after version 0 is published and after every step
-        (rank 0), `weights()` giving the policy's sync state dict; it evaluates when the
-        version is due and returns whether it did; closed when the run ends. None: evaluation
-        is another node's (or off).
+      evaluation: an actors.evaluator.InLearnerEvaluation or None: evaluation(version,
+        weights) after version 0 is published and after every step (rank 0), `weights()` the
+        policy's sync state dict; it evaluates when due and returns whether it did; closed when
+        the run ends. None: evaluation is another node's (or off).
+      critic_update: a critic_worker.CriticUpdate (the estimator's update, in sequence or
+        concurrent with the policy step); None: in sequence.
     """
 
     def __init__(self, policy: PolicyTrainer, estimator: AdvantageEstimator,
@@ -103,7 +99,7 @@ class Learner(core.Learner):
                  checkpoint_root: Optional[str] = None, tokenizer: Optional[core.Tokenizer] = None,
                  keep_checkpoints: int = 0, pad_id: int = 0, journal_max_bytes: int = 0,
                  collective: distributed.Collective = distributed.SINGLE,
-                 evaluation=None):
+                 evaluation=None, critic_update: Optional[CriticUpdate] = None):
         critic_only = value_pretraining is not None or warmup_steps
         if critic_only and not estimator.has_critic:
             raise ValueError(f"value pretraining or warmup_steps={warmup_steps}: "
@@ -114,6 +110,7 @@ class Learner(core.Learner):
                              "moving the policy (critic=shared_trunk)")
         self.policy_trainer = policy
         self.estimator = estimator
+        self.critic_update = critic_update or CriticUpdate(estimator)
         self.sampler = sampler
         self.max_steps = max_steps
         self.batch_size = batch_size
@@ -187,25 +184,27 @@ class Learner(core.Learner):
 
     # --- the math ---------------------------------------------------------------------------------
     def update(self, batch: Batch, train_policy: bool = True) -> Dict[str, float]:
-        """Estimate, policy step (unless not train_policy), estimator update; statistics. Does
+        """Estimate, policy step (unless not train_policy), estimator update (concurrent with
+        the policy step with critic_concurrent, joined before this returns); statistics. Does
         not bump the version. The batch moves to the policy's device."""
         batch = batch.to(self.policy_trainer.device)
         t0 = time.perf_counter()
         estimate = self.estimator.estimate(batch)
         t1 = time.perf_counter()
         stats: Dict[str, float] = dict(estimate.stats)
+        self.critic_update.start(batch, estimate)   # concurrent: from now on, in its thread
         if train_policy:
             stats["policy_lr"] = self.policy_trainer.set_learning_rate(self.version,
                                                                        self.max_steps)
             stats.update(self.policy_trainer.step(
                 batch, estimate.advantages, joint=self.estimator.joint_loss(batch, estimate)))
         t2 = time.perf_counter()
-        stats.update(self.estimator.update(batch, estimate))
-        t3 = time.perf_counter()
+        stats.update(self.critic_update.join())   # concurrent: waits for the K critic steps
         # Where the step's compute went (docs/METHOD.md section 11): the estimate (the critic's
         # or shared head's values without gradient, GAE), the policy step (with a shared head
-        # its value loss too), the estimator's own update (the K critic steps).
-        stats.update({"estimate_s": t1 - t0, "policy_step_s": t2 - t1, "critic_step_s": t3 - t2})
+        # its value loss too), the estimator's own update (the K critic steps: critic_step_s,
+        # of which critic_wait_s after the policy step; learner/critic_worker.py).
+        stats.update({"estimate_s": t1 - t0, "policy_step_s": t2 - t1})
         mask = batch.action_mask.bool()
         n, s = self.collective.sum([float(mask.sum()), float(estimate.advantages[mask].sum())])
         stats["advantage_mean"] = s / n if n else 0.0
@@ -370,6 +369,7 @@ class Learner(core.Learner):
             self.measure_critic(final=True)
         if self._checkpoint_root is not None and self.version > 0:
             self.save_checkpoint()
+        self.critic_update.close()
         if self._evaluation is not None:
             self._evaluation.close()
         if self._logger is not None:
