@@ -3,7 +3,8 @@
 Every question reads "What is a + b? Answer with just the number." (with -, * for the other
 operations) and is answered by one number. Four kinds, from easy to hard for
 SmolLM2-135M-Instruct (greedy, 24 new tokens, the answer read as the number after the first
-"=", else the last number: ../shared/docs/FACTS.md measured 24/40, 15/40, 6/40 and 1/40):
+"=", else the last number: 24/40, 15/40, 6/40 and 1/40 in a probe before this module; on the
+first 48 test rows 8/12, 5/12, 3/12 and 0/12, docs/RESULTS.md section 3):
 
   add1   one-digit addition        a, b in 1..9
   mul1   one-digit multiplication  a, b in 2..9
