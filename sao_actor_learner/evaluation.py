@@ -73,19 +73,21 @@ def check_k(n: int, ks: Sequence[int]) -> None:
 
 
 def resolve_model(path: str) -> str:
-    """The model directory `path` names: itself when it holds config.json; a run folder's (or
-    its checkpoints/ folder's) newest intact learner checkpoint (its manifest's sizes and
-    sha256 hold); FileNotFoundError otherwise."""
+    """The model directory `path` names: a run folder's (or its checkpoints/ folder's) newest
+    intact learner checkpoint (its manifest's sizes and sha256 hold); else `path` itself when it
+    holds config.json (and no checkpoints/: a run folder's config.json is no model's);
+    FileNotFoundError otherwise."""
     import os
 
     from sao_actor_learner.learner.checkpoint_files import (check_checkpoint,
                                                             complete_checkpoints)
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    for root in (os.path.join(path, "checkpoints"), path):
+    for root in (os.path.join(path, "checkpoints"), path):   # a run folder has a config.json too
         for _, checkpoint in complete_checkpoints(root):
             if check_checkpoint(checkpoint)[0] is None:
                 return checkpoint
+    if os.path.isfile(os.path.join(path, "config.json")) and \
+            not os.path.isdir(os.path.join(path, "checkpoints")):
+        return path
     raise FileNotFoundError(f"--model={path!r} is neither a model directory (no config.json) "
                             "nor a run folder with an intact checkpoint (checkpoints/step_N)")
 

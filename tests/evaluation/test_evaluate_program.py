@@ -76,6 +76,8 @@ def program(*args):
 def test_the_program_scores_a_run_folders_newest_checkpoint_and_writes_json(setup):
     tmp, model, test, reward = setup
     run = tmp / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"task": "dataset"}))   # a run's own config
 
     def write(directory):   # a learner checkpoint's files: the model directory and its state
         for f in os.listdir(model):
@@ -86,6 +88,7 @@ def test_the_program_scores_a_run_folders_newest_checkpoint_and_writes_json(setu
     with open(os.path.join(checkpoint_path(str(run / "checkpoints"), 3), "config.json"), "a") as f:
         f.write(" ")                                        # step 3 no longer matches its manifest
     assert resolve_model(str(run)) == checkpoint_path(str(run / "checkpoints"), 2)
+    assert resolve_model(str(run / "checkpoints")) == checkpoint_path(str(run / "checkpoints"), 2)
     out = tmp / "report.json"
     proc = program(f"--model={run}", f"--eval_files={test}", f"--reward={reward}",
                    "--max_new_tokens=4", "--n=2", "--k=1,2", f"--out={out}")
