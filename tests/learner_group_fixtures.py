@@ -33,11 +33,13 @@ def run_rank(rank, world_size, address, overrides, out_path):
                                layers=base_model_of(policy).layers)
     learner = assemble_learner(config, policy, critic, collective=collective)
     stats = learner.update(collate(rs[rank::world_size]))
+    published = distributed.sync_weights(learner.policy)()   # what rank 0 publishes
     policy = distributed.full_state_dict(learner.policy)     # on CPU
     critic = distributed.full_state_dict(learner.estimator.critic) \
         if learner.estimator.has_critic else {}
     if rank == 0:
-        torch.save({"policy": policy, "critic": critic, "stats": stats}, out_path)
+        torch.save({"policy": policy, "critic": critic, "stats": stats,
+                    "published": published}, out_path)
     collective.barrier()
 
 

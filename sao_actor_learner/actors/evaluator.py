@@ -47,16 +47,26 @@ def evaluate(engine: core.Engine, task: core.Task, prompts: List[core.Prompt],
     return correct / max(len(prompts), 1)
 
 
+def generate_samples(engine: core.Engine, prompts: List[core.Prompt],
+                     params: core.SamplingParams, n: int, batch_size: int = 64
+                     ) -> List[List[core.Generation]]:
+    """n generations of each single-turn prompt (list i holds prompt i's), about `batch_size`
+    sequences per engine call."""
+    out: List[List[core.Generation]] = []
+    per_call = max(1, batch_size // n)
+    for i in range(0, len(prompts), per_call):
+        chunk = prompts[i:i + per_call]
+        gens = engine.generate([p.token_ids for p in chunk for _ in range(n)], params)
+        out.extend(gens[j * n:(j + 1) * n] for j in range(len(chunk)))
+    return out
+
+
 def pass_at_k(engine: core.Engine, task: core.Task, prompts: List[core.Prompt],
               params: core.SamplingParams, k: int, batch_size: int = 64) -> float:
     """Fraction of single-turn `prompts` for which at least one of k samples is correct."""
-    passed = 0
-    per_call = max(1, batch_size // k)
-    for i in range(0, len(prompts), per_call):
-        chunk = prompts[i:i + per_call]
-        gens = engine.generate([p.token_ids for p in chunk for _ in range(k)], params)
-        for j, p in enumerate(chunk):
-            passed += any(task.is_correct(p, g.tokens) for g in gens[j * k:(j + 1) * k])
+    samples = generate_samples(engine, prompts, params, k, batch_size)
+    passed = sum(any(task.is_correct(p, g.tokens) for g in gens)
+                 for p, gens in zip(prompts, samples))
     return passed / max(len(prompts), 1)
 
 

@@ -293,9 +293,9 @@ class DatasetConfig(Section):
     max_prompt_length: int = option(0, "Longer prompts (tokens) are left out and counted; 0: "
                                     "max_sequence_length - max_new_tokens.")
     shuffle: bool = option(True, "A seeded permutation of the training rows in every epoch.")
-    reward: str = option("gsm8k", "gsm8k, exact, math_verify, or path/to/file.py:fn with "
-                         "verl's compute_score(data_source, solution_str, ground_truth, "
-                         "extra_info).")
+    reward: str = option("gsm8k", "gsm8k, final_number, exact, math_verify, or "
+                         "path/to/file.py:fn with verl's compute_score(data_source, "
+                         "solution_str, ground_truth, extra_info).")
     reward_timeout_s: float = option(5.0, "A reward call slower than this scores 0 (counted).")
     reward_workers: int = option(2, "Worker processes per node for math_verify and file.py:fn "
                                  "rewards.")

@@ -26,10 +26,11 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Any, Iterable, List, Sequence
+from typing import Any, Callable, Iterable, List, Sequence
 
 import torch
 
+from sao_actor_learner.models.checkpoint import sync_state_dict
 from sao_actor_learner.models.lora import merged_state_dict
 
 
@@ -267,6 +268,22 @@ def full_state_dict(module: torch.nn.Module) -> dict:
             t = t.full_tensor()
         out[name] = t.detach().to("cpu")
     return out
+
+
+def sync_weights(module: torch.nn.Module) -> Callable[[], dict]:
+    """What publishing a version sends, as a call rank 0 makes when it publishes: the module's
+    sync state dict (models/checkpoint.sync_state_dict: tied duplicates left out, LoRA merged).
+    Under FSDP2 the shards are gathered here, on CPU (a collective: every rank must call it);
+    otherwise nothing is computed until the call."""
+    if not any(is_sharded(p) for p in module.parameters()):
+        return lambda: sync_state_dict(module)
+    seen, tied = set(), set()
+    for name, t in module.state_dict(keep_vars=True).items():   # tied: the same parameter
+        if id(t) in seen:
+            tied.add(name)
+        seen.add(id(t))
+    gathered = {k: v for k, v in full_state_dict(module).items() if k not in tied}
+    return lambda: gathered
 
 
 def optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -251,7 +251,7 @@ class Learner(core.Learner):
 
     def publish(self) -> None:
         """Publishes the current version's weights (rank 0)."""
-        self.progress.publish(self.version, lambda: sync_state_dict(self.policy),
+        self.progress.publish(self.version, distributed.sync_weights(self.policy),
                               dropped_total=self.credit, resumed=self.resumed_from is not None)
 
     def log(self, row: dict) -> None:

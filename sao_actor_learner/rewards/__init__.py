@@ -6,6 +6,9 @@ A reward is named by a spec string:
                    as a number with the ground truth (GSM8K's raw `answer` column is accepted:
                    the text after its last `#### ` is the answer). 1.0 or 0.0; metric `no_answer`
                    is 1.0 when the response has no `#### <number>`, else 0.0.
+  "final_number"   the number after the first "=" of the response, else its last number
+                   (answers.py), compared as a number with the ground truth: 1.0 or 0.0;
+                   metric `no_answer` as gsm8k's. For short answers ("What is 7 + 8?").
   "exact"          1.0 when the stripped response equals the stripped `str(ground_truth)`.
   "math_verify"    math-verify's `verify(parse(gold), parse(response))`: 1.0 or 0.0. Needs the
                    `math` extra (`pip install -e ".[math]"`).
@@ -20,7 +23,7 @@ does: a function that raises, runs past `timeout_s`, returns a non-finite number
 the wrong type gives score 0.0 and a failure reason ("raised", "timeout", "non_finite",
 "bad_type"), is logged (rate-limited) and counted in `Reward.counters`.
 
-"gsm8k" and "exact" run inline in the calling thread. "math_verify" and "file.py:fn" run in a
+"gsm8k", "final_number" and "exact" run inline in the calling thread. "math_verify" and "file.py:fn" run in a
 pool of worker processes (pool.py): a call that runs past `timeout_s` has its worker killed and
 replaced, so one hanging input cannot block later calls, and user code needs not be picklable
 or thread-safe. This package imports only the standard library and absl, so the worker
@@ -43,10 +46,14 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from absl import logging
 
-BUILTINS = ("gsm8k", "exact", "math_verify")
+from sao_actor_learner.rewards.answers import (final_number_score, gsm8k_answer,
+                                               normalise_number, same_answer)
+
+BUILTINS = ("gsm8k", "final_number", "exact", "math_verify")
+INLINE = ("gsm8k", "final_number", "exact")
 FAILURES = ("raised", "timeout", "non_finite", "bad_type")
 MATH_REQUIREMENT = "math-verify[antlr4_13_2]>=0.9,<0.10"
-_SPEC_HELP = ('a builtin reward ("gsm8k", "exact", "math_verify") or a Python file and function, '
+_SPEC_HELP = ('a builtin reward ("gsm8k", "final_number", "exact", "math_verify") or a Python file and function, '
               '"path/to/file.py:compute_score"')
 _LOG_EVERY_S = 10.0
 
@@ -62,20 +69,6 @@ class RewardResult:
 
 # ----------------------------------------------------------------------------- builtin rewards
 
-_GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
-
-
-def _gsm8k_normalise(text: str) -> str:
-    return text.replace(",", "").replace("$", "").strip().rstrip(".")
-
-
-def _same_answer(a: str, b: str) -> bool:
-    try:
-        return float(a) == float(b)
-    except ValueError:
-        return a == b
-
-
 def gsm8k_score(data_source, solution_str, ground_truth, extra_info=None) -> Dict[str, float]:
     """GSM8K's strict score: {"score": 1.0 or 0.0, "no_answer": 1.0 or 0.0}.
 
@@ -85,14 +78,13 @@ def gsm8k_score(data_source, solution_str, ground_truth, extra_info=None) -> Dic
     if it has one. Answers are compared as numbers when both parse as numbers ("72" == "72.0"),
     else as strings.
     """
-    matches = _GSM8K_ANSWER.findall(str(solution_str))
-    answer = _gsm8k_normalise(matches[-1]) if matches else ""
-    if not answer:
+    answer = gsm8k_answer(solution_str)
+    if answer is None:
         return {"score": 0.0, "no_answer": 1.0}
     truth = str(ground_truth)
     if "####" in truth:
         truth = truth.rsplit("####", 1)[1]
-    return {"score": float(_same_answer(answer, _gsm8k_normalise(truth))), "no_answer": 0.0}
+    return {"score": float(same_answer(answer, normalise_number(truth))), "no_answer": 0.0}
 
 
 def exact_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
@@ -212,6 +204,8 @@ def load_reward_function(spec: str, timeout_s: float) -> Callable:
     """The function a (checked) spec names; for "file.py:fn" this imports the file."""
     if spec == "gsm8k":
         return gsm8k_score
+    if spec == "final_number":
+        return final_number_score
     if spec == "exact":
         return exact_score
     if spec == "math_verify":
@@ -269,7 +263,7 @@ class Reward:
         self._closed = False
         self._pool = None
         self._inline: Optional[Callable] = None
-        if spec in ("gsm8k", "exact"):
+        if spec in INLINE:
             self._inline = load_reward_function(spec, timeout_s)
         else:
             from sao_actor_learner.rewards.pool import WorkerPool

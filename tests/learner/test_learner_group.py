@@ -14,6 +14,7 @@ import torch
 import learner_group_fixtures as lg
 import test_learner_scale as t
 from sao_actor_learner.learner import distributed
+from sao_actor_learner.models.checkpoint import sync_state_dict
 from sao_actor_learner.types import collate
 
 
@@ -57,6 +58,11 @@ def test_a_two_rank_step_equals_the_single_process_whole_batch_step(overrides, t
     stats = single.update(collate(lg.group_batch(single)))
     for name, tensor in distributed.full_state_dict(single.policy).items():   # LoRA: merged
         diff = float((group["policy"][name].double() - tensor.double()).norm())
+        assert diff <= 1e-5 * float(tensor.double().norm()) + 1e-12, (name, diff)
+    published = sync_state_dict(single.policy)   # what a version publishes (FSDP2: gathered)
+    assert set(group["published"]) == set(published)
+    for name, tensor in published.items():
+        diff = float((group["published"][name].double() - tensor.double()).norm())
         assert diff <= 1e-5 * float(tensor.double().norm()) + 1e-12, (name, diff)
     if single.estimator.has_critic:
         for name, tensor in single.estimator.critic.state_dict().items():
