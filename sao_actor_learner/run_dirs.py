@@ -15,7 +15,6 @@ Standard library only (the launcher runs it).
 """
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 from typing import List, Optional, Tuple
@@ -66,13 +65,25 @@ def fresh_run_paths(config: SAOConfig, run_dir: Optional[str] = None) -> List[Tu
     """(folder, flag that chose it) for every folder a fresh run clears."""
     run_dir = run_dir or config.run_dir
     checkpoints = os.path.join(run_dir, "checkpoints")
-    paths = [(p, "--run_dir") for p in sorted(glob.glob(os.path.join(checkpoints, "step_*")) +
-                                              glob.glob(os.path.join(checkpoints, "journal*")))]
+    paths = [(os.path.join(checkpoints, name), "--run_dir")
+             for name in _learner_entries(checkpoints)]
     paths.append((os.path.join(run_dir, "spool"), "--run_dir"))
     paths.append((replay_checkpoint_dir(config, run_dir),
                   "--replay_checkpoint_dir" if config.replay_checkpoint_dir else "--run_dir"))
     paths.append((variables_state_dir(run_dir), "--run_dir"))
     return paths
+
+
+def _learner_entries(checkpoints: str) -> List[str]:
+    """The names in `checkpoints` that are the learner's (`step_*`, `journal*`), sorted. The
+    folder is listed and its names matched: `checkpoints` comes from a user's --run_dir, and a
+    glob pattern built from it would read "[", "*" and "?" in it as wildcards (--run_dir=g/x[1]
+    would match g/x1)."""
+    try:
+        names = os.listdir(checkpoints)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(n for n in names if n.startswith("step_") or n.startswith("journal"))
 
 
 def check_clearable(path: str, flag: str) -> None:

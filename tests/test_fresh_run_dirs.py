@@ -90,3 +90,16 @@ def test_a_folder_that_already_holds_something_is_not_marked(tmp_path):
     assert not os.path.exists(os.path.join(data, _marker()))
     with pytest.raises(ConfigError):
         prepare_run_dir(SAOConfig(run_dir=str(tmp_path / "run"), replay_checkpoint_dir=data))
+
+
+def test_a_run_dir_with_glob_characters_clears_only_its_own_folders(tmp_path):
+    """--run_dir=g/x[1]: the folders a fresh run clears are found by listing the run's own
+    checkpoints folder, not by a glob pattern ("[1]" would match the neighbour g/x1)."""
+    mine, neighbour = tmp_path / "g" / "x[1]", tmp_path / "g" / "x1"
+    theirs = make_owned_dir(str(neighbour / "checkpoints" / "step_000001"))
+    _own_data(theirs)
+    own = make_owned_dir(str(mine / "checkpoints" / "step_000001"))
+    own_journal = make_owned_dir(str(mine / "checkpoints" / "journal"))
+    prepare_run_dir(SAOConfig(run_dir=str(mine)))
+    assert os.path.exists(os.path.join(theirs, "thesis.tex"))   # another run's: untouched
+    assert not os.path.exists(own) and not os.path.exists(own_journal)

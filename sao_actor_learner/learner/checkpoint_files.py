@@ -18,7 +18,6 @@ Standard library only (and models/model_dir, which needs no torch).
 from __future__ import annotations
 
 import errno
-import glob
 import hashlib
 import json
 import os
@@ -168,7 +167,8 @@ def _check_without_manifest(path: str) -> Optional[str]:
     state = os.path.join(path, LEARNER_STATE_FILE)
     if not os.path.isfile(state) or os.path.getsize(state) == 0:
         return f"{LEARNER_STATE_FILE} is missing or empty"
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+    for file in sorted(os.path.join(path, n) for n in os.listdir(path)   # no glob: path is
+                       if n.endswith(".safetensors")):                     # under --run_dir
         try:
             read_safetensors_header(file)
         except ModelDirError as e:
