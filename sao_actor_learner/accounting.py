@@ -73,9 +73,9 @@ def rollout_accounting(run_dir: str) -> Dict:
     point = journal_lib.ResumePoint(root)
     state: Dict = {}
     if point.checkpoint is not None:
-        import torch
-        state = torch.load(os.path.join(point.checkpoint, journal_lib.LEARNER_STATE_FILE),
-                           weights_only=False)
+        from sao_actor_learner.learner.checkpointing import read_learner_state
+        state = read_learner_state(os.path.join(point.checkpoint,
+                                                journal_lib.LEARNER_STATE_FILE))
     sampler = (state.get("samplers") or [{}])[0]   # rank 0's: its consumed keys are the group's
     consumed_keys = ConsumedKeys()
     consumed_keys.load_state_dict(sampler.get("consumed", {}))

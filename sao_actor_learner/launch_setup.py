@@ -17,12 +17,15 @@ def prepare_run_dir(config: SAOConfig, run_dir: Optional[str] = None) -> None:
     """A fresh run (resume=False) clears what a resumed one would pick up from run_dir: learner
     checkpoints and journal, the replay checkpoint, the actors' spools and the variable server's
     state; only folders this project made (ConfigError naming the flag and folder otherwise,
-    run_dirs.py)."""
+    run_dirs.py). Then it keeps the run id there (run_identity.py): new for a fresh run, the
+    folder's for a resumed one."""
+    from sao_actor_learner.run_identity import begin_run
     run_dir = run_dir or config.run_dir
     if config.resume:
         check_resumable(config, run_dir)
-        return
-    clear_fresh_run(config, run_dir)
+    else:
+        clear_fresh_run(config, run_dir)
+    begin_run(config, run_dir)   # a fresh run's new run id, a resumed run's kept one
 
 
 def check_resumable(config: SAOConfig, run_dir: str) -> None:
