@@ -38,8 +38,7 @@ from sao_actor_learner.config import ConfigError, NetworkConfig, SAOConfig
 from sao_actor_learner.variables.security import (MIN_AUTH_TOKEN_CHARS, check_bind,
                                                   is_loopback, resolve_auth_token)
 
-LEARNER_TOKEN_ENV = "SAO_LEARNER_TOKEN"
-ROLLOUT_SECRET_ENV = "SAO_ROLLOUT_SECRET"
+from sao_actor_learner.secret_env import LEARNER_TOKEN_ENV, ROLLOUT_SECRET_ENV  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
