@@ -5,7 +5,9 @@ and journal folders (`<run_dir>/checkpoints/step_*`, `journal*`), the actors' sp
 (`<run_dir>/spool`), the replay checkpoint (`--replay_checkpoint_dir`, default
 `<run_dir>/checkpoints/replay`) and the variable server's state (`<run_dir>/checkpoints/variables`).
 It deletes only folders this project made: whoever makes one of them (`make_owned_dir`, the
-learner's checkpoint writer) puts the marker file `MARKER` in it first. A missing or empty
+learner's checkpoint writer) puts the marker file `MARKER` in it first; a folder that was
+already there, even empty, is never marked. Temporary siblings (`<x>.tmp-<pid>`, `<x>.partial`)
+are deleted only when ours as well (`remove_if_ours`). A missing or empty
 folder is fine; anything else there without the marker (a folder of one's own data given as
 `--replay_checkpoint_dir`, say, or a run folder of a version before the marker) is a ConfigError
 naming the flag and the folder, raised before anything is deleted (`check_fresh_run`, also run by
@@ -44,21 +46,40 @@ def mark_owned(path: str) -> None:
 
 
 def make_owned_dir(path: str) -> str:
-    """Makes the folder `path` (and its parents) and marks it as ours when this call made it or
-    found it empty; a folder that already holds something keeps what it has (marked or not)."""
+    """Makes the folder `path` (and its parents) and marks it as ours when this call made it. A
+    folder that was already there is used as it is: a user's (even empty) folder is never
+    marked, so a fresh run later refuses to delete it once it holds something."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     try:
         os.mkdir(path)
     except FileExistsError:
-        if not os.path.isdir(path) or os.listdir(path):
-            return path
+        return path
     mark_owned(path)
     return path
 
 
 def is_owned(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MARKER))
+
+
+def remove_if_ours(path: str, what: str) -> None:
+    """Deletes the scratch path `path` (a temporary sibling such as `<x>.tmp-<pid>` or
+    `<x>.partial`) when it is missing, an empty folder, or a folder we marked; anything else
+    there is someone else's: RuntimeError naming it (`what`: whose scratch it is), and
+    nothing is deleted."""
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        if is_owned(path):
+            shutil.rmtree(path)
+            return
+        if not os.listdir(path):
+            os.rmdir(path)
+            return
+    raise RuntimeError(
+        f"{path!r} is in the way of {what}, and it is not a folder this project made (it has "
+        f"no {MARKER} marker), so it is not deleted; move or remove it yourself")
 
 
 def fresh_run_paths(config: SAOConfig, run_dir: Optional[str] = None) -> List[Tuple[str, str]]:
@@ -112,10 +133,11 @@ def check_fresh_run(config: SAOConfig, run_dir: Optional[str] = None) -> None:
 
 
 def clear_fresh_run(config: SAOConfig, run_dir: Optional[str] = None) -> None:
-    """Checks every folder a fresh run clears (check_fresh_run), then deletes them."""
+    """Checks every folder a fresh run clears (check_fresh_run), then deletes the ones we
+    made (an empty one that is not ours is left)."""
     paths = fresh_run_paths(config, run_dir)
     for path, flag in paths:
         check_clearable(path, flag)
     for path, _ in paths:
-        if os.path.isdir(path):
-            shutil.rmtree(path)
+        if os.path.isdir(path) and not os.path.islink(path) and is_owned(path):
+            shutil.rmtree(path)   # an empty folder that is not ours stays where it is

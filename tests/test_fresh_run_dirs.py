@@ -68,8 +68,7 @@ def test_nothing_is_deleted_when_any_folder_is_refused(tmp_path):
 def test_folders_the_nodes_made_are_cleared_and_empty_ones_are_fine(tmp_path):
     run = tmp_path / "run"
     config = SAOConfig(run_dir=str(run), replay_checkpoint_dir=str(tmp_path / "replay_ckpt"))
-    os.makedirs(tmp_path / "replay_ckpt")              # an empty folder may be used
-    server = make_replay_server(config, run_dir=str(run))   # marks it (does not start)
+    server = make_replay_server(config, run_dir=str(run))   # makes and marks it (no start)
     assert os.path.exists(os.path.join(server.checkpoint_dir, _marker()))
     _own_data(server.checkpoint_dir)
     journal = ReaderJournal(journal_dir(str(run / "checkpoints")), 0)   # the learner's journal
@@ -77,11 +76,11 @@ def test_folders_the_nodes_made_are_cleared_and_empty_ones_are_fine(tmp_path):
     journal.close()
     spool = make_owned_dir(str(run / "spool"))          # what make_actor does
     _own_data(spool)
-    os.makedirs(run / "checkpoints" / "variables")      # empty: fine
+    os.makedirs(run / "checkpoints" / "variables")      # empty: fine (not ours: left)
     prepare_run_dir(config)
-    for gone in (server.checkpoint_dir, str(run / "spool"), str(run / "checkpoints" / "journal"),
-                 str(run / "checkpoints" / "variables")):
+    for gone in (server.checkpoint_dir, str(run / "spool"), str(run / "checkpoints" / "journal")):
         assert not os.path.exists(gone), gone
+    assert os.listdir(run / "checkpoints" / "variables") == []
 
 
 def test_a_folder_that_already_holds_something_is_not_marked(tmp_path):
@@ -103,3 +102,47 @@ def test_a_run_dir_with_glob_characters_clears_only_its_own_folders(tmp_path):
     prepare_run_dir(SAOConfig(run_dir=str(mine)))
     assert os.path.exists(os.path.join(theirs, "thesis.tex"))   # another run's: untouched
     assert not os.path.exists(own) and not os.path.exists(own_journal)
+
+
+def test_a_users_empty_folder_is_used_but_never_marked(tmp_path):
+    """An empty folder given as --replay_checkpoint_dir is used, but it is the user's: it is
+    not marked, so once it holds something a fresh run refuses to delete it."""
+    data = tmp_path / "my_empty_folder"
+    os.makedirs(data)
+    config = SAOConfig(run_dir=str(tmp_path / "run"), replay_checkpoint_dir=str(data))
+    prepare_run_dir(config)                              # empty: fine, and left alone
+    server = make_replay_server(config, run_dir=str(tmp_path / "run"))
+    assert server.checkpoint_dir == str(data) and os.path.isdir(data)
+    assert not os.path.exists(os.path.join(data, _marker()))
+    _own_data(str(data))
+    with pytest.raises(ConfigError, match="--replay_checkpoint_dir"):
+        prepare_run_dir(config)
+    assert os.path.exists(os.path.join(data, "thesis.tex"))
+
+
+def test_temporary_siblings_are_deleted_only_when_ours(tmp_path):
+    """`<x>.tmp-<pid>` (checkpoints, a critic) and `<x>.partial` (a conversion): a crashed
+    writer's marked one is replaced; someone else's folder of that name is never deleted."""
+    from sao_actor_learner.learner.checkpoint_files import (begin_checkpoint, checkpoint_path,
+                                                            prune_checkpoints)
+    from sao_actor_learner.run_dirs import remove_if_ours
+    root = str(tmp_path / "checkpoints")
+    path = checkpoint_path(root, 3)
+    theirs = _own_data(f"{path}.tmp-{os.getpid()}")
+    with pytest.raises(RuntimeError, match=r"step_000003\.tmp-.*not a folder this project"):
+        begin_checkpoint(path)
+    assert os.path.exists(os.path.join(theirs, "thesis.tex"))
+    prune_checkpoints(root, keep=1)                       # leaves it alone too
+    assert os.path.exists(os.path.join(theirs, "thesis.tex"))
+    os.remove(os.path.join(theirs, "thesis.tex"))         # empty: may go
+    ours = begin_checkpoint(path)
+    assert os.path.exists(os.path.join(ours, _marker()))
+    _own_data(ours)                                       # a crashed writer's, marked
+    assert begin_checkpoint(path) == ours and not os.path.exists(
+        os.path.join(ours, "thesis.tex"))
+    prune_checkpoints(root, keep=1)
+    assert not os.path.exists(ours)
+    partial = _own_data(str(tmp_path / "model.partial"))
+    with pytest.raises(RuntimeError, match="the conversion"):
+        remove_if_ours(partial, "the conversion")
+    assert os.path.exists(os.path.join(partial, "thesis.tex"))
