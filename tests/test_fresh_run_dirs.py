@@ -146,3 +146,16 @@ def test_temporary_siblings_are_deleted_only_when_ours(tmp_path):
     with pytest.raises(RuntimeError, match="the conversion"):
         remove_if_ours(partial, "the conversion")
     assert os.path.exists(os.path.join(partial, "thesis.tex"))
+
+
+def test_a_model_path_with_glob_characters_is_read_as_written(tmp_path):
+    """--model=g/x[1]: its weights are looked for in g/x[1], never in a neighbour g/x1."""
+    from sao_actor_learner.models.model_dir import ModelDirError, check_model_dir
+    mine, neighbour = tmp_path / "x[1]", tmp_path / "x1"
+    for folder in (mine, neighbour):
+        os.makedirs(folder)
+        (folder / "config.json").write_text("{}")
+        (folder / "tokenizer.json").write_text("{}")
+    (neighbour / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelDirError, match=r"x\[1\].*holds no weights"):
+        check_model_dir(str(mine))

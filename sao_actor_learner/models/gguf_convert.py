@@ -57,7 +57,7 @@ def find_gguf_file(path: str) -> str:
     if not os.path.isdir(path):
         raise GGUFConversionError(f"{path}: no such file or directory (pass a .gguf file, or a "
                                   "directory holding one)")
-    found = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    found = sorted(glob.glob(os.path.join(glob.escape(path), "*.gguf")))
     if not found:
         raise GGUFConversionError(f"{path}: the directory holds no *.gguf file (pass the GGUF "
                                   "file itself, e.g. .../SmolLM2-135M-Instruct.Q4_1.gguf)")
