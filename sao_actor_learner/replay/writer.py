@@ -49,9 +49,10 @@ then:
 
 Validation (replay/validation.py) runs before anything is sent; a bad rollout is never inserted,
 `write` returns False (`write_many`: `WriteResult.rejected` names the reason) and counts the
-reason in `rejected` (see REJECT_REASONS), and never raises for bad data. With a `signer` every
-item carries the HMAC of its columns (the `signature` column), which the learner's reader checks;
-without one the signature is zeros (a reader that checks refuses such items).
+reason in `rejected` (see REJECT_REASONS), and never raises for bad data. With a `signer` (the
+actor's ActorSigner) every item carries its run's tag and the HMAC of its header and columns
+under the actor's key, which the learner's reader checks; without one the tag and signature are
+zeros (a reader that checks refuses such items).
 
 One `RolloutWriter` per actor; `write` and `write_many` are serialised by a lock, so sharing one
 is safe but slow.
