@@ -86,8 +86,9 @@ def begin_run(config: SAOConfig, run_dir: str,
 def node_run_id(config: SAOConfig, run_dir: str,
                 environ: Optional[Mapping[str, str]] = None) -> str:
     """The run id a program's nodes are given: $SAO_RUN_ID when set, else the one kept in
-    `run_dir` (begin_run's; a program built without a launcher gets one made there). A launch
-    that runs the actors without the learner (or the other way round) needs $SAO_RUN_ID."""
+    `run_dir` (begin_run's), else (a program built without run_program) a new one, not written
+    (building a program writes nothing). A launch that runs the actors without the learner (or
+    the other way round) needs $SAO_RUN_ID."""
     environ = os.environ if environ is None else environ
     given = _given(environ)
     if given:
@@ -99,4 +100,4 @@ def node_run_id(config: SAOConfig, run_dir: str,
             f"share the run id, so set ${RUN_ID_ENV} to the same new random value (at least "
             f"{_MIN_CHARS} characters, new for every fresh run) in the environment of both "
             "launches")
-    return read_run_id(run_dir) or write_run_id(run_dir, secrets.token_hex(16))
+    return read_run_id(run_dir) or secrets.token_hex(16)
