@@ -87,8 +87,9 @@ setup(
         "plan": ["simpy>=4.1,<5"],
         # ISA-L's CRC-32 (same values as zlib.crc32, ~4x faster) for weight sync.
         "fast": ["isal>=1.6"],
-        # Parquet dataset files (tasks/dataset_files.py); pyarrow 26 needs numpy 2.
-        "data": ["pyarrow>=14,<26"],
+        # Parquet dataset files (tasks/dataset_files.py); pyarrow 26 needs numpy 2; 14.0.0 has
+        # CVE-2023-47248 (arbitrary code execution reading IPC/Parquet files), fixed in 14.0.1.
+        "data": ["pyarrow>=14.0.1,<26"],
         # The "math_verify" reward (sao_actor_learner/rewards/).
         "math": ["math-verify[antlr4_13_2]>=0.9,<0.10"],
         # Experiment trackers (--tracker; sao_actor_learner/observers/). wandb 0.29 and later

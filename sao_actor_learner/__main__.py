@@ -15,7 +15,8 @@ Security (docs/OPERATIONS.md section 2, sao_actor_learner/credentials.py): $SAO_
 --auth_token, which `ps` shows) is the secret every variable-server call must carry; a
 non-loopback --bind_host needs it and TLS (--tls_cert, --tls_key) or --insecure_transport.
 A run split over hosts (--groups, --service_addresses) also takes $SAO_LEARNER_TOKEN and
-$SAO_ROLLOUT_SECRET from the environment. No secret is written to config.json or logs.
+$SAO_ROLLOUT_SECRET from the environment, and $SAO_RUN_ID (the same new value for every fresh
+run in each launch of it). No secret is written to config.json or logs.
 """
 import json
 import os

@@ -29,10 +29,21 @@ Needs no Reverb.
 from __future__ import annotations
 
 import collections
-import glob
 import json
 import os
-from typing import Dict
+import re
+from typing import Dict, List
+
+
+def _numbered(folder: str, pattern: str) -> List[int]:
+    """The numbers of the entries of `folder` whose whole name matches `pattern` (one group),
+    ascending. The folder is listed, never globbed: it comes from a user's --run_dir, whose
+    "[", "*" or "?" a glob would read as wildcards."""
+    try:
+        names = os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(int(m.group(1)) for m in map(re.compile(pattern).fullmatch, names) if m)
 
 
 def rollout_accounting(run_dir: str) -> Dict:
@@ -44,8 +55,9 @@ def rollout_accounting(run_dir: str) -> Dict:
     completed, acked, held = set(), set(), set()
     refused: collections.Counter = collections.Counter()
     sent_once = resent = 0
-    for directory in sorted(glob.glob(os.path.join(run_dir, "spool", "actor_*"))):
-        actor = int(directory.rsplit("_", 1)[1])
+    spool = os.path.join(run_dir, "spool")
+    for actor in _numbered(spool, r"actor_(\d+)"):
+        directory = os.path.join(spool, f"actor_{actor}")
         state = read_ledger(directory)
         completed |= {(actor, s) for s in state["completed"]}
         acked |= {(actor, s) for s in state["acked"]}
@@ -61,15 +73,14 @@ def rollout_accounting(run_dir: str) -> Dict:
     point = journal_lib.ResumePoint(root)
     state: Dict = {}
     if point.checkpoint is not None:
-        import torch
-        state = torch.load(os.path.join(point.checkpoint, journal_lib.LEARNER_STATE_FILE),
-                           weights_only=False)
+        from sao_actor_learner.learner.checkpointing import read_learner_state
+        state = read_learner_state(os.path.join(point.checkpoint,
+                                                journal_lib.LEARNER_STATE_FILE))
     sampler = (state.get("samplers") or [{}])[0]   # rank 0's: its consumed keys are the group's
     consumed_keys = ConsumedKeys()
     consumed_keys.load_state_dict(sampler.get("consumed", {}))
     journalled = {r.key for record in point.replay for r in record}
-    for rank_dir in glob.glob(os.path.join(root, "journal_rank*")):
-        rank = int(rank_dir.rsplit("rank", 1)[1])
+    for rank in _numbered(root, r"journal_rank(\d+)"):
         journalled |= {r.key for record in journal_lib.ResumePoint(root, rank).replay
                        for r in record}
     totals = state.get("group_totals", {})

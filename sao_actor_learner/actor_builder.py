@@ -94,11 +94,12 @@ def make_engine(config: SAOConfig, role: str = "actor", run_dir: Optional[str] =
 
 
 def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_address: str,
-               run_dir: Optional[str] = None, auth_token: str = "", rollout_secret: str = "",
-               wrap_engine=None):
+               run_dir: Optional[str] = None, auth_token: str = "", rollout_key: str = "",
+               run_id: str = "", wrap_engine=None):
     """An actor node. Its spool (run_dir/spool/actor_<id>, or a temporary folder without
     config.actor_spool) keeps every rollout until the learner acknowledges it; its writer signs
-    every item with the run's `rollout_secret`. `wrap_engine(engine) -> engine` puts something
+    every item with its own `rollout_key` (hex; RolloutSigner.actor_key: derived from the run's
+    rollout secret, `run_id` and this actor id) and tags it with `run_id`. `wrap_engine(engine) -> engine` puts something
     around the engine (a log, a fault injector)."""
     setup_process(config, offset=actor_id + 1)
     import tempfile
@@ -110,7 +111,7 @@ def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_
     from sao_actor_learner.actors.spool import RolloutSpool, spool_dir
     from sao_actor_learner.models import checkpoint as ckpt
     from sao_actor_learner.replay import RolloutWriter
-    from sao_actor_learner.replay.validation import RolloutSigner
+    from sao_actor_learner.replay.validation import ActorSigner
     from sao_actor_learner.variables import VariableClient
 
     engine = make_engine(config, role=f"actor_{actor_id}", run_dir=run_dir)
@@ -124,7 +125,7 @@ def make_actor(config: SAOConfig, actor_id: int, replay_address: str, variables_
         make_owned_dir(os.path.dirname(spool_dir(run_dir, actor_id)))   # run_dir/spool, marked
     directory = spool_dir(run_dir, actor_id) if config.actor_spool else \
         tempfile.mkdtemp(prefix=f"sao_spool_actor_{actor_id}_")
-    signer = RolloutSigner(rollout_secret) if rollout_secret else None
+    signer = ActorSigner(rollout_key, run_id) if rollout_key else None
     return Actor(
         actor_id, task, engine,
         variables=VariableClient(variables_address, config.variable_update_period_s,

@@ -31,8 +31,9 @@ def make_program(config: SAOConfig, run_dir: Optional[str] = None, actor_factory
 
     Nodes are wired only through handles. Secrets (credentials.py): the learner token (the
     variable server and the learner alone: only the learner publishes or reports progress) and
-    the rollout secret (the actors and the learner alone: the learner trains on nothing
-    unsigned); neither is written to config.json or logs. With config.groups only those groups
+    the rollout secret (the learner alone; each actor gets its own key derived from it and the
+    run id, replay/validation.py: the learner trains on nothing unsigned); neither is written
+    to config.json or logs. With config.groups only those groups
     run here, and the services run elsewhere are reached at config.service_addresses.
     actor_factory: replaces `make_actor` (same arguments), e.g. to wrap the engine.
     auth_token: the shared secret every variable-server call must carry (None: $SAO_AUTH_TOKEN,
@@ -45,7 +46,12 @@ def make_program(config: SAOConfig, run_dir: Optional[str] = None, actor_factory
     run_dir = run_dir or config.run_dir
     credentials = launch_credentials(config, auth_token)
     secure = {"auth_token": credentials.auth_token} if credentials.auth_token else {}
-    token, signed = credentials.learner_token, {"rollout_secret": credentials.rollout_secret}
+    from sao_actor_learner.replay.validation import RolloutSigner
+    from sao_actor_learner.run_identity import node_run_id
+    run_id = node_run_id(config, run_dir)   # binds the signed items to this run
+    token, signed = credentials.learner_token, {"rollout_secret": credentials.rollout_secret,
+                                                "run_id": run_id}
+    keys = RolloutSigner(credentials.rollout_secret, run_id)   # each actor gets its own key
     part = LaunchPart(config)   # a service run elsewhere is its address: nodes take either
     replay, variables, store = part.remote("replay"), part.remote("variables"), None
     program = lp.Program("sao")
@@ -71,7 +77,8 @@ def make_program(config: SAOConfig, run_dir: Optional[str] = None, actor_factory
     with program.group("actor"):
         for i in part.actor_ids:
             program.add_node(lp.PyNode(actor_factory or make_actor, config, i, replay, variables,
-                                       run_dir, **secure, **signed))
+                                       run_dir, **secure, rollout_key=keys.actor_key(i).hex(),
+                                       run_id=run_id))
     if config.evaluator in ("node", "record") and part.runs("evaluator"):   # else: learner, none
         with program.group("evaluator"):
             program.add_node(lp.PyNode(make_evaluator if config.evaluator == "node"

@@ -6,15 +6,18 @@
 - learner token: held by the learner and the variable server; Publish and ReportProgress need
   it (weights, acknowledgements, admission credit, loss epochs). From $SAO_LEARNER_TOKEN, else
   made per launch.
-- rollout secret: held by the actors and the learner; every rollout is signed with it and the
-  learner trains on nothing else. From $SAO_ROLLOUT_SECRET, else made per launch.
+- rollout secret: held by the learner (and the launcher); each actor is given only its own key,
+  HMAC(secret, run id | actor id) (replay/validation.py), with which it signs every rollout;
+  the learner trains on nothing else. From $SAO_ROLLOUT_SECRET, else made per launch. The run
+  id (run_identity.py; not a secret) binds the keys to the run.
 
 A single launch makes the learner token and the rollout secret itself (random, per launch).
 A launch split over hosts (`--groups`, config/network.py) cannot: a secret shared by two
 launches must be given to both, through the environment, never on a command line (where `ps`
 shows it) nor in config.json or logs. A launch that runs the learner without the variable
 server (or the other way round) needs $SAO_LEARNER_TOKEN; one that runs the actors without the
-learner (or the other way round) needs $SAO_ROLLOUT_SECRET. The learner token must differ from
+learner (or the other way round) needs $SAO_ROLLOUT_SECRET (and $SAO_RUN_ID, new for every
+fresh run, run_identity.py). The learner token must differ from
 the auth token: actors hold the auth token, and must not be able to publish or report progress.
 
 Nodes get their secrets as arguments of their factories (builder.make_program): pickled over a
@@ -35,8 +38,7 @@ from sao_actor_learner.config import ConfigError, NetworkConfig, SAOConfig
 from sao_actor_learner.variables.security import (MIN_AUTH_TOKEN_CHARS, check_bind,
                                                   is_loopback, resolve_auth_token)
 
-LEARNER_TOKEN_ENV = "SAO_LEARNER_TOKEN"
-ROLLOUT_SECRET_ENV = "SAO_ROLLOUT_SECRET"
+from sao_actor_learner.secret_env import LEARNER_TOKEN_ENV, ROLLOUT_SECRET_ENV  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,8 +26,8 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import secrets
 import sys
-import tempfile
 import warnings
 from typing import Any, Dict, Iterable, Optional
 
@@ -126,13 +126,13 @@ def _write_atomic(path: str, write) -> None:
     folder = os.path.dirname(path)
     try:
         os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+        # Made with mode 0o666 less the umask by the kernel itself: no process-wide umask
+        # round trip (another thread's file made meanwhile would get mode 0o666).
+        tmp = os.path.join(folder, f".tmp-{os.getpid()}-{secrets.token_hex(8)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             with os.fdopen(fd, "wb") as f:
                 write(f)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)   # mkstemp makes it private
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):

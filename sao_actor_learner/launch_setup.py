@@ -10,19 +10,22 @@ from typing import Optional
 from sao_actor_learner.config import SAOConfig
 from sao_actor_learner.run_dirs import clear_fresh_run
 
-__all__ = ["prepare_run_dir", "check_resumable", "launch_options"]
+__all__ = ["prepare_run_dir", "check_resumable", "previous_config", "launch_options"]
 
 
 def prepare_run_dir(config: SAOConfig, run_dir: Optional[str] = None) -> None:
     """A fresh run (resume=False) clears what a resumed one would pick up from run_dir: learner
     checkpoints and journal, the replay checkpoint, the actors' spools and the variable server's
     state; only folders this project made (ConfigError naming the flag and folder otherwise,
-    run_dirs.py)."""
+    run_dirs.py). Then it keeps the run id there (run_identity.py): new for a fresh run, the
+    folder's for a resumed one."""
+    from sao_actor_learner.run_identity import begin_run
     run_dir = run_dir or config.run_dir
     if config.resume:
         check_resumable(config, run_dir)
-        return
-    clear_fresh_run(config, run_dir)
+    else:
+        clear_fresh_run(config, run_dir)
+    begin_run(config, run_dir)   # a fresh run's new run id, a resumed run's kept one
 
 
 def check_resumable(config: SAOConfig, run_dir: str) -> None:
@@ -34,11 +37,7 @@ def check_resumable(config: SAOConfig, run_dir: str) -> None:
     if not os.path.exists(path):
         raise ConfigError(f"resume=True but {run_dir!r} holds no config.json: nothing to resume; "
                           "drop --resume to start a new run there")
-    try:
-        with open(path) as f:
-            previous = SAOConfig.from_json(f.read())
-    except (TypeError, ValueError):   # written by another version of the config: can't compare
-        return
+    previous = previous_config(path)
     if config.replay_checkpoints and \
             previous.effective_queue_capacity != config.effective_queue_capacity:
         raise ConfigError(
@@ -49,6 +48,46 @@ def check_resumable(config: SAOConfig, run_dir: str) -> None:
             f"queue_capacity={previous.effective_queue_capacity}")
     from sao_actor_learner.resume_checks import check_resumed_settings
     check_resumed_settings(previous, config, run_dir)   # batch_size, model, ...: refused
+
+
+def previous_config(path: str) -> SAOConfig:
+    """The config a run folder's config.json holds (known renamed keys read as their new
+    names, removed ones ignored: SAOConfig.from_json). Every resume check compares against
+    it, so one that cannot be read is a ConfigError naming the file and what to do, never a
+    reason to skip the checks."""
+    import dataclasses
+    import json
+
+    from sao_actor_learner.config import REMOVED_FIELDS, RENAMED_FIELDS, ConfigError
+    fresh = ("or start a fresh run in another --run_dir (a fresh run there would delete the "
+             "checkpoints)")
+    try:
+        with open(path) as f:
+            text = f.read()
+        fields = json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(
+            f"resume=True: {path} cannot be read as JSON ({e}): the resume checks (batch_size, "
+            "model, queue capacity, ...) compare against it, so nothing is resumed without "
+            "it; restore the file as the run wrote it, " + fresh) from None
+    if not isinstance(fields, dict):
+        raise ConfigError(f"resume=True: {path} holds a JSON {type(fields).__name__}, not the "
+                          "run's settings (an object); restore it as the run wrote it, " + fresh)
+    known = {f.name for f in dataclasses.fields(SAOConfig)} | set(REMOVED_FIELDS) | \
+        set(RENAMED_FIELDS)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ConfigError(
+            f"resume=True: {path} holds settings this version does not know: "
+            f"{', '.join(unknown)} (neither a field nor a known earlier name of one): the "
+            "resume checks cannot vouch for a run they cannot read; resume with the version "
+            "that wrote it, or delete those keys from the file if you know they do not "
+            "matter, " + fresh)
+    try:
+        return SAOConfig.from_json(text)
+    except (TypeError, ValueError) as e:   # ConfigError is a ValueError
+        raise ConfigError(f"resume=True: {path} does not make a valid config with this version "
+                          f"({e}); fix that value in the file, " + fresh) from None
 
 
 def launch_options(config: SAOConfig) -> dict:

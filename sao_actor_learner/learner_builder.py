@@ -133,23 +133,26 @@ def _critic_yardstick(config: SAOConfig, collective, pad_id: int):
 
 def make_learner(config: SAOConfig, replay_address: str, variables_address: str,
                  publisher_token: str, run_dir: Optional[str] = None, auth_token: str = "",
-                 rank: int = 0, group_address: str = "", rollout_secret: str = ""):
+                 rank: int = 0, group_address: str = "", rollout_secret: str = "",
+                 run_id: str = ""):
     """A learner node (rank `rank` of config.learners; `group_address` is the learner group's
     rendezvous node). It resumes when run_dir holds a learner checkpoint or journal (a restart
     after a crash, or --resume): weights, critic, optimisers, version, counters and RNG state
     from the newest checkpoint, then the rollouts sampled after it from its journal
-    (learner/journal.py), so the steps lost in the crash are redone exactly."""
+    (learner/journal.py), so the steps lost in the crash are redone exactly. `run_id`
+    (run_identity.py): it resumes only from what this run wrote, and verifies items under
+    this run's keys."""
     setup_process(config, offset=10_000 + rank)
     if config.learners == 1:
         return _build_learner(config, replay_address, variables_address, publisher_token,
-                              run_dir, auth_token, rollout_secret)
+                              run_dir, auth_token, rollout_secret, run_id)
     return LearnerRank(config, replay_address, variables_address, publisher_token, run_dir,
-                       auth_token, rollout_secret, rank, group_address)
+                       auth_token, rollout_secret, rank, group_address, run_id)
 
 
 def _build_learner(config: SAOConfig, replay_address: str, variables_address: str,
                    publisher_token: str, run_dir: Optional[str], auth_token: str,
-                   rollout_secret: str, collective=None):
+                   rollout_secret: str, run_id: str = "", collective=None):
     import torch
 
     from sao_actor_learner.learner import distributed
@@ -163,7 +166,7 @@ def _build_learner(config: SAOConfig, replay_address: str, variables_address: st
     collective = collective or distributed.SINGLE
     run_dir = run_dir or config.run_dir
     root = os.path.join(run_dir, "checkpoints")
-    resume = journal_lib.ResumePoint(root, rank=collective.rank)
+    resume = journal_lib.ResumePoint(root, rank=collective.rank, run_id=run_id)
     lora_spec = lora.LoraSpec.from_config(config)
     # With LoRA the base weights always come from --model, the adapters from the checkpoint.
     policy, tokenizer = ckpt.load_policy(config.model if lora_spec else
@@ -180,7 +183,7 @@ def _build_learner(config: SAOConfig, replay_address: str, variables_address: st
     learner = assemble_learner(
         config, policy, critic,
         source=resume.reader_at_fetch(lambda on_fetched: _learner_reader(
-            config, replay_address, on_fetched, rollout_secret, tokenizer.vocab_size,
+            config, replay_address, on_fetched, rollout_secret, run_id, tokenizer.vocab_size,
             collective)),
         publisher=VariablePublisher(variables_address, publisher_token,
                                     **variables_client_security(config, auth_token),
@@ -199,7 +202,7 @@ def _build_learner(config: SAOConfig, replay_address: str, variables_address: st
 
 
 def _learner_reader(config: SAOConfig, replay_address: str, on_fetched, rollout_secret: str,
-                    vocab_size: int, collective):
+                    run_id: str, vocab_size: int, collective):
     """The learner's replay reader: it checks every item (columns, ranges, the run's
     signature), drops and counts bad ones, and hands each good rollout to the journal
     (`on_fetched`) as soon as it has it. In a learner group the ranks count their fetches in
@@ -208,7 +211,7 @@ def _learner_reader(config: SAOConfig, replay_address: str, on_fetched, rollout_
     from sao_actor_learner.replay import RolloutReader
     from sao_actor_learner.replay.validation import RolloutSigner, RolloutVerifier
     from sao_actor_learner.replay.loss import loss_detector
-    verifier = RolloutVerifier(RolloutSigner(rollout_secret), vocab_size,
+    verifier = RolloutVerifier(RolloutSigner(rollout_secret, run_id), vocab_size,
                                config.max_sequence_length)
     group = collective.world_size > 1
     return RolloutReader(
@@ -223,11 +226,11 @@ class LearnerRank(core.Worker):
 
     def __init__(self, config: SAOConfig, replay_address: str, variables_address: str,
                  publisher_token: str, run_dir: Optional[str], auth_token: str,
-                 rollout_secret: str, rank: int, group_address: str):
+                 rollout_secret: str, rank: int, group_address: str, run_id: str = ""):
         if not group_address:
             raise ValueError("a learner group rank needs the group's rendezvous address")
         self._args = (config, replay_address, variables_address, publisher_token, run_dir,
-                      auth_token, rollout_secret)
+                      auth_token, rollout_secret, run_id)
         self.rank, self.group_address = rank, group_address
         self.learner = None
         self._stopped = False

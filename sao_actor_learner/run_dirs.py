@@ -5,13 +5,15 @@ and journal folders (`<run_dir>/checkpoints/step_*`, `journal*`), the actors' sp
 (`<run_dir>/spool`), the replay checkpoint (`--replay_checkpoint_dir`, default
 `<run_dir>/checkpoints/replay`) and the variable server's state (`<run_dir>/checkpoints/variables`).
 It deletes only folders this project made: whoever makes one of them (`make_owned_dir`, the
-learner's checkpoint writer) puts the marker file `MARKER` in it first. A folder whose contents
-a dependency manages is never marked inside (Reverb's checkpointer deletes every file of the
-replay checkpoint folder it did not write, a marker included): the run records it instead, in
-the run folder's own `RECORD` file (`make_recorded_dir`), and a fresh run clears what the record
-names. A missing or empty folder is fine; anything else there without the marker or a record (a
-folder of one's own data given as `--replay_checkpoint_dir`, say, or a run folder of a version
-before the marker) is a ConfigError
+learner's checkpoint writer) puts the marker file `MARKER` in it first; a folder that was
+already there, even empty, is never marked. A folder whose contents a dependency manages is never
+marked inside (Reverb's checkpointer deletes every file of the replay checkpoint folder it did not
+write, a marker included): the run records it instead, in the run folder's own `RECORD` file
+(`make_recorded_dir`, same rule), and a fresh run clears what the record names. Temporary
+siblings (`<x>.tmp-<pid>`, `<x>.partial`) are deleted only when ours as well (`remove_if_ours`).
+A missing or empty folder is fine; anything else there without the marker or a record (a folder
+of one's own data given as `--replay_checkpoint_dir`, say, or a run folder of a version before
+the marker) is a ConfigError
 naming the flag and the folder, raised before anything is deleted (`check_fresh_run`, also run by
 preflight.check_before_launch).
 
@@ -19,7 +21,6 @@ Standard library only (the launcher runs it).
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -55,15 +56,15 @@ def mark_owned(path: str) -> None:
 
 
 def make_owned_dir(path: str) -> str:
-    """Makes the folder `path` (and its parents) and marks it as ours when this call made it or
-    found it empty; a folder that already holds something keeps what it has (marked or not)."""
+    """Makes the folder `path` (and its parents) and marks it as ours when this call made it. A
+    folder that was already there is used as it is: a user's (even empty) folder is never
+    marked, so a fresh run later refuses to delete it once it holds something."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     try:
         os.mkdir(path)
     except FileExistsError:
-        if not os.path.isdir(path) or os.listdir(path):
-            return path
+        return path
     mark_owned(path)
     return path
 
@@ -100,14 +101,13 @@ def _write_record(run_dir: str, entries: List[str]) -> None:
 
 def make_recorded_dir(path: str, run_dir: str) -> str:
     """make_owned_dir for a folder whose contents a dependency manages (and may delete): the
-    mark goes into run_dir's RECORD, not into the folder. Recorded when this call made it or
-    found it empty; a folder that already holds something keeps its standing."""
+    mark goes into run_dir's RECORD, not into the folder. Recorded only when this call made it;
+    a folder that was already there keeps its standing."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     try:
         os.mkdir(path)
-    except FileExistsError:
-        if not os.path.isdir(path) or os.listdir(path):
-            return path
+    except FileExistsError:   # already there, even empty: someone else's or already recorded
+        return path
     entry = _record_entry(path, run_dir)
     entries = _read_record(run_dir)
     if entry not in entries:
@@ -115,17 +115,48 @@ def make_recorded_dir(path: str, run_dir: str) -> str:
     return path
 
 
+def remove_if_ours(path: str, what: str) -> None:
+    """Deletes the scratch path `path` (a temporary sibling such as `<x>.tmp-<pid>` or
+    `<x>.partial`) when it is missing, an empty folder, or a folder we marked; anything else
+    there is someone else's: RuntimeError naming it (`what`: whose scratch it is), and
+    nothing is deleted."""
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        if is_owned(path):
+            shutil.rmtree(path)
+            return
+        if not os.listdir(path):
+            os.rmdir(path)
+            return
+    raise RuntimeError(
+        f"{path!r} is in the way of {what}, and it is not a folder this project made (it has "
+        f"no {MARKER} marker), so it is not deleted; move or remove it yourself")
+
+
 def fresh_run_paths(config: SAOConfig, run_dir: Optional[str] = None) -> List[Tuple[str, str]]:
     """(folder, flag that chose it) for every folder a fresh run clears."""
     run_dir = run_dir or config.run_dir
     checkpoints = os.path.join(run_dir, "checkpoints")
-    paths = [(p, "--run_dir") for p in sorted(glob.glob(os.path.join(checkpoints, "step_*")) +
-                                              glob.glob(os.path.join(checkpoints, "journal*")))]
+    paths = [(os.path.join(checkpoints, name), "--run_dir")
+             for name in _learner_entries(checkpoints)]
     paths.append((os.path.join(run_dir, "spool"), "--run_dir"))
     paths.append((replay_checkpoint_dir(config, run_dir),
                   "--replay_checkpoint_dir" if config.replay_checkpoint_dir else "--run_dir"))
     paths.append((variables_state_dir(run_dir), "--run_dir"))
     return paths
+
+
+def _learner_entries(checkpoints: str) -> List[str]:
+    """The names in `checkpoints` that are the learner's (`step_*`, `journal*`), sorted. The
+    folder is listed and its names matched: `checkpoints` comes from a user's --run_dir, and a
+    glob pattern built from it would read "[", "*" and "?" in it as wildcards (--run_dir=g/x[1]
+    would match g/x1)."""
+    try:
+        names = os.listdir(checkpoints)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(n for n in names if n.startswith("step_") or n.startswith("journal"))
 
 
 def check_clearable(path: str, flag: str, run_dir: Optional[str] = None) -> None:
@@ -156,15 +187,16 @@ def check_fresh_run(config: SAOConfig, run_dir: Optional[str] = None) -> None:
 
 
 def clear_fresh_run(config: SAOConfig, run_dir: Optional[str] = None) -> None:
-    """Checks every folder a fresh run clears (check_fresh_run), then deletes them (and their
-    entries in the record: a folder made there later is recorded again by whoever makes it)."""
+    """Checks every folder a fresh run clears (check_fresh_run), then deletes the ones we
+    made (an empty one that is not ours is left) and their entries in the record (a folder made
+    there later is recorded again by whoever makes it)."""
     run_dir = run_dir or config.run_dir
     paths = fresh_run_paths(config, run_dir)
     for path, flag in paths:
         check_clearable(path, flag, run_dir)
     for path, _ in paths:
-        if os.path.isdir(path):
-            shutil.rmtree(path)
+        if os.path.isdir(path) and not os.path.islink(path) and is_owned(path, run_dir):
+            shutil.rmtree(path)   # an empty folder that is not ours stays where it is
     entries = _read_record(run_dir)
     kept = [e for e in entries if e not in {_record_entry(p, run_dir) for p, _ in paths}]
     if kept != entries:

@@ -42,12 +42,12 @@ make_program_with_corrupting_actors = functools.partial(builder.make_program,
 # Forged replay items inserted into a running program (actor 0 inserts them, through the
 # program's own unauthenticated Reverb port, before it sends its first real rollout). What each
 # kind should be refused as by the learner's reader:
-FORGERIES = {"other_secret": 3, "unsigned": 2, "garbage": 2}
+FORGERIES = {"other_secret": 3, "unsigned": 2, "other_actor": 2, "garbage": 2}
 FORGERY_REASONS = {"other_secret": "bad_signature", "unsigned": "bad_signature",
-                   "garbage": "malformed"}
+                   "other_actor": "bad_signature", "garbage": "malformed"}
 
 
-def forged_rollout(seq, vocab_size, max_len):
+def forged_rollout(seq, vocab_size, max_len, actor_id=0):
     """A well-formed rollout with plausible columns (what a forger who read types.py makes)."""
     import numpy as np
 
@@ -61,20 +61,22 @@ def forged_rollout(seq, vocab_size, max_len):
                    rollout_logp=np.where(mask == 1, -0.5, 0.0),
                    versions=np.where(mask == 1, 0, -1),
                    rewards=np.where(np.arange(length) == length - 1, 1.0, 0.0),
-                   prompt_id=10 ** 9 + seq, actor_id=0, group_id=10 ** 9 + seq, seq=seq,
+                   prompt_id=10 ** 9 + seq, actor_id=actor_id, group_id=10 ** 9 + seq, seq=seq,
                    start_time=0.0, end_time=0.0, truncated=0)
 
 
 class ForgingActor(core.Worker):
     """A real actor whose node first inserts FORGERIES into the program's replay table:
-    rollouts signed with another run's secret, unsigned ones (a writer without a signer), and
-    raw items that are not rollouts at all; then runs the real actor unchanged."""
+    rollouts signed with another secret, unsigned ones (a writer without a signer), ones
+    signed with its own key but claiming actor 1, and raw items that are not rollouts at all;
+    then runs the real actor unchanged."""
 
-    def __init__(self, actor, replay_address, vocab_size, max_len):
+    def __init__(self, actor, replay_address, vocab_size, max_len, rollout_key, run_id):
         self._actor = actor
         self._address = replay_address
         self._vocab_size = vocab_size
         self._max_len = max_len
+        self._key, self._run_id = rollout_key, run_id
 
     def _forge(self):
         import secrets
@@ -83,16 +85,20 @@ class ForgingActor(core.Worker):
 
         from sao_actor_learner.replay import RolloutWriter, connect
         from sao_actor_learner.replay.tables import DEFAULT_TABLE
-        from sao_actor_learner.replay.validation import RolloutSigner
+        from sao_actor_learner.replay.validation import ActorSigner, RolloutSigner
 
         seq = 10 ** 6   # keys far from the actor's own
-        for kind, signer in (("other_secret", RolloutSigner(secrets.token_hex(32))),
-                             ("unsigned", None)):
+        for kind, signer, claimed in (
+                ("other_secret", RolloutSigner(secrets.token_hex(32), self._run_id).for_actor(0),
+                 0),
+                ("unsigned", None, 0),
+                ("other_actor", ActorSigner(self._key, self._run_id), 1)):   # its own key
             writer = RolloutWriter(self._address, max_sequence_length=self._max_len,
                                    vocab_size=self._vocab_size, signer=signer)
             for _ in range(FORGERIES[kind]):
                 seq += 1
-                assert writer.write(forged_rollout(seq, self._vocab_size, self._max_len), 60.0)
+                assert writer.write(forged_rollout(seq, self._vocab_size, self._max_len,
+                                                   claimed), 60.0)
             writer.close()
         # Through Reverb's C++ client as the node loads it (this process may not import the
         # reverb package: replay/client.py), without the table-signature check.
@@ -118,7 +124,7 @@ def make_forging_actor(config, actor_id, replay_address, variables_address, run_
     actor = builder.make_actor(config, actor_id, replay_address, variables_address, run_dir,
                                wrap_engine=lambda e: engines.append(e) or e, **kwargs)
     return ForgingActor(actor, replay_address, engines[0].tokenizer.vocab_size,
-                        config.max_sequence_length)
+                        config.max_sequence_length, kwargs["rollout_key"], kwargs["run_id"])
 
 
 make_program_with_forging_actor = functools.partial(builder.make_program,

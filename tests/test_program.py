@@ -127,7 +127,8 @@ def test_bad_rollouts_are_rejected_counted_and_do_not_reach_the_learner(warm_sta
 def test_items_forged_into_a_running_program_are_refused_counted_and_never_trained(warm_start,
                                                                                     tmp_path):
     """Anyone who reaches the replay port can insert items. Actor 0 inserts rollouts signed
-    with another secret, unsigned ones and raw non-rollouts into the running program's table
+    with another secret, unsigned ones, ones signed with its own key but claiming actor 1 (an
+    actor holds its own key only) and raw non-rollouts into the running program's table
     before its first real rollout (one actor: all of them are ahead of every real item in the
     FIFO). The learner's reader refuses each with its reason, the learner trains only the
     actor's real keys, and the run finishes."""

@@ -145,3 +145,39 @@ def test_changed_lora_settings_are_refused_before_launch(models, tmp_path):
     with pytest.raises(ConfigError) as e:
         run_program(config.replace(resume=True, lora_rank=8), _never_launched, progress=False)
     assert "--lora_rank=8 (the run used 0)" in str(e.value)
+
+
+def _rewrite_config(config, edit):
+    path = os.path.join(config.run_dir, "config.json")
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(edit(text))
+    return path
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda text: text[:len(text) // 2], "cannot be read as JSON"),             # torn
+    (lambda text: text.replace("{", '{\n  "from_a_newer_version": 1,', 1),       # one unknown key
+     "from_a_newer_version"),
+    (lambda text: "[1, 2]", "JSON list"),
+])
+def test_an_unreadable_config_json_refuses_the_resume(models, tmp_path, edit, why):
+    """A config.json the resume checks cannot read is refused, naming the file; it never
+    lets a changed batch_size through."""
+    config = _launched_run(tmp_path, models[0])
+    path = _rewrite_config(config, edit)
+    with pytest.raises(ConfigError) as e:
+        prepare_run_dir(config.replace(resume=True, batch_size=4))
+    assert path in str(e.value) and why in str(e.value) and "--run_dir" in str(e.value)
+
+
+def test_a_renamed_key_is_migrated_and_the_checks_still_run(models, tmp_path):
+    """An earlier name of a field (config.RENAMED_FIELDS) is read as the new one: the
+    resume checks run on the rest (a halved batch_size is still refused)."""
+    config = _launched_run(tmp_path, models[0])
+    _rewrite_config(config, lambda text: text.replace(
+        '"weight_sync_mode"', '"vllm_weight_sync_mode"'))
+    with pytest.raises(ConfigError, match="batch_size"):
+        prepare_run_dir(config.replace(resume=True, batch_size=4))
+    prepare_run_dir(config.replace(resume=True))    # unchanged settings: resumes

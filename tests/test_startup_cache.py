@@ -68,6 +68,26 @@ def test_off_writes_nothing_and_an_unwritable_cache_only_warns(tmp_path, monkeyp
     assert disk_cache.load_sequences("prompts", "k", 1) is None
 
 
+def test_an_entry_is_written_without_touching_the_process_umask(cache, monkeypatch):
+    """The process-wide umask is never changed (another thread making a file meanwhile would
+    get it): the entry gets 0o666 less the umask from the kernel."""
+    real_umask = os.umask
+    umask = os.umask(0o027)
+    os.umask(umask | 0o027)
+    try:
+        def no_umask_calls(mask):
+            raise AssertionError(f"os.umask({mask:#o}) called: process-wide, racy")
+        monkeypatch.setattr(os, "umask", no_umask_calls)
+        disk_cache.save_json("preflight", "v", {"x": 1})
+        monkeypatch.setattr(os, "umask", real_umask)
+        assert disk_cache.load_json("preflight", "v") == {"x": 1}
+        [entry] = [p for p in (cache / "preflight").iterdir() if not p.name.startswith(".")]
+        assert entry.stat().st_mode & 0o777 == 0o666 & ~(umask | 0o027)
+        assert not [p for p in (cache / "preflight").iterdir() if p.name.startswith(".tmp")]
+    finally:
+        os.umask(umask)
+
+
 def test_each_kind_keeps_its_newest_entries(cache, monkeypatch):
     monkeypatch.setattr(disk_cache, "MAX_ENTRIES", 3)
     for i in range(5):

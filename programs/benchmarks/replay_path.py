@@ -72,6 +72,7 @@ RAW_PATHS = ("raw", "raw_packed")
 TARGET = 0.7
 # The run's rollout secret (made at launch in a run; any 32 bytes here).
 SECRET = bytes(range(32))
+RUN_ID = "replay-path-benchmark-run"
 
 
 def _serve(capacity: int, conn) -> None:
@@ -104,8 +105,8 @@ def make_rollouts(n: int, seed: int) -> List[Rollout]:
             rollout_logp=np.where(mask == 1, -rng.random(length) * 4, 0.0),
             versions=np.where(mask == 1, i // 64, -1),
             rewards=np.where(np.arange(length) == length - 1, 1.0, 0.0),
-            prompt_id=i, actor_id=i % 4, start_time=time.time(), end_time=time.time(),
-            seq=i // 4))   # (actor_id, seq): each actor's spool numbers its own rollouts
+            prompt_id=i, actor_id=0, start_time=time.time(), end_time=time.time(),
+            seq=i))   # one actor's writer: it signs with that actor's key only
     return out
 
 
@@ -123,12 +124,13 @@ def run_ours(address: str, rollouts: List[Rollout], path: str) -> Dict[str, floa
     from sao_actor_learner.replay.validation import RolloutSigner, RolloutVerifier
 
     n = len(rollouts)
-    signer = RolloutSigner(SECRET) if path == "ours" else None
+    signer = RolloutSigner(SECRET, RUN_ID) if path == "ours" else None
     verifier = RolloutVerifier(signer, FLAGS.vocab_size, FLAGS.max_sequence_length) \
         if path == "ours" else None
     fetched: List[tuple] = []   # what the learner's journal records, per rollout as it arrives
     writer = RolloutWriter(address, path, FLAGS.max_sequence_length, FLAGS.vocab_size,
-                           buckets_per_octave=FLAGS.buckets_per_octave, signer=signer)
+                           buckets_per_octave=FLAGS.buckets_per_octave,
+                           signer=signer.for_actor(0) if signer is not None else None)
     reader = RolloutReader(address, path, on_fetched=lambda r: fetched.append(r.key),
                            verifier=verifier)
     t0 = time.perf_counter()
@@ -159,10 +161,10 @@ def packed_items(rollouts: List[Rollout]) -> List[List[np.ndarray]]:
     from sao_actor_learner.replay import bucket_lengths, item
     from sao_actor_learner.replay.validation import RolloutSigner
 
-    sign = RolloutSigner(SECRET).sign
+    signer = RolloutSigner(SECRET, RUN_ID).for_actor(0)
     buckets = np.asarray(bucket_lengths(FLAGS.max_sequence_length, FLAGS.buckets_per_octave))
-    return [[item.pack(r.columns(), int(buckets[np.searchsorted(buckets, r.length)]), sign)]
-            for r in rollouts]
+    return [[item.pack(r.columns(), int(buckets[np.searchsorted(buckets, r.length)]),
+                       signer.sign, run_tag=signer.run_tag)] for r in rollouts]
 
 
 def time_signatures(items: List[List[np.ndarray]]) -> float:
@@ -170,13 +172,13 @@ def time_signatures(items: List[List[np.ndarray]]) -> float:
     from sao_actor_learner.replay import item
     from sao_actor_learner.replay.validation import RolloutSigner
 
-    signer = RolloutSigner(SECRET)
+    signer = RolloutSigner(SECRET, RUN_ID)
     spans = [item.parse(cols[0]) for cols in items]
     t0 = time.perf_counter()
     for parsed in spans:
-        signer.sign(parsed.signed)
+        signer.sign(parsed.signed, 0)
     for parsed in spans:
-        if not signer.verify(parsed.signed, parsed.signature):
+        if not signer.verify(parsed.signed, parsed.signature, parsed.columns["actor_id"]):
             raise RuntimeError("a signature did not verify")
     return time.perf_counter() - t0
 

@@ -29,7 +29,8 @@ from typing import Dict, Iterable, List, Tuple
 
 LEDGER = "ledger.log"
 COMPACT_MIN_BYTES = 1 << 20
-PENDING_RE = re.compile(r"^(\d{12})\.pkl$")
+PENDING_RE = re.compile(r"^(\d{12})\.rollout$")
+OLD_PENDING_RE = re.compile(r"^(\d{12})\.pkl$")   # pickled by earlier versions: never read
 
 
 def ranges(seqs: Iterable[int]) -> List[Tuple[int, int]]:

@@ -15,8 +15,9 @@ did are skipped by the learner). So replay, the learner, the variable server and
 itself can each die at any moment without a completed rollout being lost or trained twice.
 
 Folder layout (`<run_dir>/spool/actor_<id>/`):
-  <seq>.pkl    one rollout not yet acknowledged (pickled; written to a temporary name, then
-               renamed)
+  <seq>.rollout  one rollout not yet acknowledged (safe_records' format, which never runs code
+               when read; written to a temporary name, then renamed). A spool with
+               `<seq>.pkl` files (pickled by earlier versions) is refused, never unpickled.
   ledger.log   one line per event, appended with a single write:
                  "put SEQ"          completed and kept
                  "sent SEQ EPOCH"   handed to replay in loss epoch EPOCH
@@ -50,14 +51,15 @@ from __future__ import annotations
 import collections
 import errno
 import os
-import pickle
 import threading
 from typing import Dict, List, Optional, Tuple
 
 from absl import logging
 
+from sao_actor_learner import safe_records
 from sao_actor_learner.actors.ledger import (  # noqa: F401 (LEDGER, read_ledger: re-exported)
-    COMPACT_MIN_BYTES, LEDGER, PENDING_RE, read_ledger, write_compacted)
+    COMPACT_MIN_BYTES, LEDGER, OLD_PENDING_RE, PENDING_RE, read_ledger, write_compacted)
+from sao_actor_learner.types import Rollout
 
 
 class SpoolWriteError(OSError):
@@ -83,6 +85,12 @@ class RolloutSpool:
         self._failed: Optional[SpoolWriteError] = None
         self.compactions = 0
         for name in os.listdir(directory):
+            if OLD_PENDING_RE.match(name):
+                raise RuntimeError(
+                    f"actor spool {directory}: {name} (and maybe more) is a rollout pickled by "
+                    "an earlier version; it is not read, since unpickling a copied or changed "
+                    "file can run code. Resume with the version that wrote it, or start a "
+                    "fresh run (without --resume; its rollouts are then lost)")
             if name.endswith(".tmp"):
                 os.remove(os.path.join(directory, name))       # never completed
         state = read_ledger(directory)
@@ -176,7 +184,7 @@ class RolloutSpool:
             raise self._failed
         try:
             with open(tmp, "wb") as f:
-                pickle.dump(rollout, f, protocol=pickle.HIGHEST_PROTOCOL)
+                f.write(safe_records.dumps(rollout))
             os.replace(tmp, path)
         except OSError as e:
             try:
@@ -251,7 +259,9 @@ class RolloutSpool:
         path = self._path(seq)
         try:
             with open(path, "rb") as f:
-                rollout = pickle.load(f)
+                rollout = safe_records.loads(f.read())
+            if not isinstance(rollout, Rollout):
+                raise safe_records.UnsafeRecordError(f"holds a {type(rollout).__name__}")
         except Exception as e:  # noqa: BLE001 - a damaged file: keep it, say so
             logging.warning("RolloutSpool: %s is unreadable (%s); not sent", path, e)
             return None
@@ -265,7 +275,7 @@ class RolloutSpool:
                 self._ledger = None
 
     def _path(self, seq: int) -> str:
-        return os.path.join(self.directory, f"{seq:012d}.pkl")
+        return os.path.join(self.directory, f"{seq:012d}.rollout")
 
     def _append(self, line: str) -> None:
         """Appends `line` to the ledger in one write; compacts it when it has grown enough.

@@ -16,11 +16,11 @@ import os
 from typing import Dict, Tuple
 
 from sao_actor_learner.config.sections import PROGRAM_GROUPS, Fail, Section, option
+from sao_actor_learner.launch.addresses import is_loopback
 
 # Services a launch may reach on another host, and which groups need each of them.
 REMOTE_SERVICES = ("replay", "variables")
 SERVICE_USERS = {"replay": ("learner", "actor"), "variables": ("learner", "actor", "evaluator")}
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,10 +83,6 @@ def parse_service_addresses(entries) -> Dict[str, str]:
     return out
 
 
-def _is_loopback(host: str) -> bool:
-    return host.strip("[]") in _LOOPBACK or host.startswith("127.")
-
-
 def check_transport(config, fail: Fail) -> None:
     """The checks across `NetworkConfig` and the bind/TLS fields of `LaunchConfig` (and
     learners): every service a launched group uses is run here or given an address; a variable
@@ -115,13 +111,13 @@ def check_transport(config, fail: Fail) -> None:
              "ranks and their learner_store must run in the same launch")
     if config.insecure_transport:
         return
-    if runs("variables") and not _is_loopback(config.bind_host) and not config.tls_cert:
+    if runs("variables") and not is_loopback(config.bind_host) and not config.tls_cert:
         fail(f"bind_host={config.bind_host!r} without TLS: the variable server would receive "
              "the auth and learner tokens in clear text, readable by anyone on the network "
              "path; give --tls_cert and --tls_key (a certificate for that address), or pass "
              "--insecure_transport on a network you trust")
     address = remote.get("variables", "")
-    if address and not _is_loopback(address.rpartition(":")[0]) and \
+    if address and not is_loopback(address.rpartition(":")[0]) and \
             not (config.tls_ca or config.tls_cert):
         fail(f"service_addresses variables={address} without TLS: the auth token (and the "
              "learner's token) would cross the network in clear text; give --tls_ca, the "

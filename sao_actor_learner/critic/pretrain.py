@@ -47,7 +47,8 @@ def pretrain_critic(config, out_dir: str, prompts: int, samples: int,
     from sao_actor_learner.critic.probe import distinct_prompts
     from sao_actor_learner.learner.estimators import CriticGAE
 
-    from sao_actor_learner.run_dirs import check_clearable, mark_owned
+    from sao_actor_learner.run_dirs import (check_clearable, make_owned_dir, mark_owned,
+                                            remove_if_ours)
     check_clearable(out_dir, "--out_dir")    # before the work: only a folder we made is replaced
     t0 = time.time()
     engine = make_engine(config, "actor_0")
@@ -71,8 +72,8 @@ def pretrain_critic(config, out_dir: str, prompts: int, samples: int,
     result = fit_lib.fit(estimator, train, held, settings, engine.tokenizer.pad_id,
                          log=lambda row: log(f"critic fit: {row}"))
     tmp = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    estimator.critic.save(tmp)
+    remove_if_ours(tmp, "the critic being written")
+    estimator.critic.save(make_owned_dir(tmp))
     for name in TOKENIZER_FILES:
         src = os.path.join(config.model, name)
         if os.path.exists(src) and not os.path.exists(os.path.join(tmp, name)):
@@ -93,6 +94,7 @@ def pretrain_critic(config, out_dir: str, prompts: int, samples: int,
     with open(os.path.join(tmp, REPORT_FILE), "w") as f:
         json.dump(report, f, indent=1)
     mark_owned(tmp)    # a later pretraining may replace it; nothing else is replaced
+    check_clearable(out_dir, "--out_dir")   # again: minutes passed since the first check
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)

@@ -65,7 +65,7 @@ def save_rollouts(path: str, rollouts: Sequence[Rollout], **meta) -> str:
 
 def load_rollouts(path: str) -> tuple:
     """(rollouts, meta dict) from a file `save_rollouts` wrote."""
-    with np.load(path) as data:
+    with np.load(path, allow_pickle=False) as data:   # data only, never code
         offsets = data["offsets"]
         columns = {name: data[name] for name in TOKEN_COLUMNS}
         scalars = {name: data[name] for name in SCALAR_COLUMNS}

@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Sequence
 from absl import logging
 
 from sao_actor_learner.engines.vllm_server import procs  # standard library only
+from sao_actor_learner.secret_env import without_secrets
 
 SERVER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_server")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -175,7 +176,7 @@ class VLLMServer:
         return args + self.extra_args
 
     def environment(self) -> Dict[str, str]:
-        env = {k: v for k, v in os.environ.items()
+        env = {k: v for k, v in without_secrets().items()   # none of the run's secrets
                if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
         env.update({
             # Only the server package: nothing of the main environment is importable there.

@@ -4,8 +4,8 @@ Guarantees:
 - `free_ports(n, host)` returns n distinct ports that were free on `host` at the time of the
   call (bound together, then released: a port can still be taken by someone else before the
   service binds it).
-- A service bound to a loopback host ("127.0.0.1", "localhost", "::1", any "127.*") is reached
-  at 127.0.0.1; bound to a wildcard ("0.0.0.0", "::", "") it is reached at 127.0.0.1 from its
+- A service bound to a loopback host (an IP literal in 127.0.0.0/8, "::1" (bracketed or not),
+  or exactly "localhost"; a name such as "127.example.org" is not one) is reached at 127.0.0.1; bound to a wildcard ("0.0.0.0", "::", "") it is reached at 127.0.0.1 from its
   own machine and at the machine's address from elsewhere; bound to an interface, at that
   interface.
 - Addresses are "host:port", with IPv6 hosts in brackets ("[::1]:5000").
@@ -14,6 +14,7 @@ Pure standard library.
 """
 from __future__ import annotations
 
+import ipaddress
 import socket
 from typing import List, Tuple
 
@@ -26,8 +27,19 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 
 
 def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps a service reachable from this machine only."""
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
+    """Whether binding (or dialling) `host` stays on this machine: an IP literal in 127.0.0.0/8,
+    ::1 (bracketed or not), or exactly "localhost". A DNS name that merely starts with "127."
+    (e.g. "127.attacker.example") resolves wherever its owner likes, so it is not loopback."""
+    if host == "localhost":
+        return True
+    literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        address = ipaddress.ip_address(literal)
+    except ValueError:
+        return False
+    if address.version == 4:
+        return address in ipaddress.ip_network("127.0.0.0/8")
+    return address == ipaddress.IPv6Address("::1")
 
 
 def is_wildcard(host: str) -> bool:

@@ -26,6 +26,7 @@ from typing import Dict, Hashable, List, Optional, Sequence
 import numpy as np
 import torch
 
+from sao_actor_learner.safe_records import plain_class
 from sao_actor_learner.types import Batch, Rollout
 
 
@@ -47,6 +48,7 @@ def prompt_key(rollout: Rollout) -> bytes:
     return rollout.tokens[:end].astype(np.int32).tobytes()
 
 
+@plain_class   # kept in learner checkpoints (safe_records.py)
 class RunningMeanBaseline:
     """An exponential moving average of rewards, one number for every prompt.
 
@@ -70,6 +72,7 @@ class RunningMeanBaseline:
         self.mean = m if self.mean is None else self.decay * self.mean + (1 - self.decay) * m
 
 
+@plain_class   # kept in learner checkpoints (safe_records.py)
 class PerPromptBaseline:
     """A per-prompt EMA of rewards (a tabular value tracker), with a running-mean fallback.
 

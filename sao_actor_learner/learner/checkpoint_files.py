@@ -18,7 +18,6 @@ Standard library only (and models/model_dir, which needs no torch).
 from __future__ import annotations
 
 import errno
-import glob
 import hashlib
 import json
 import os
@@ -27,7 +26,7 @@ import shutil
 from typing import Callable, Dict, List, Optional, Tuple
 
 from sao_actor_learner.models.model_dir import ModelDirError, read_safetensors_header
-from sao_actor_learner.run_dirs import make_owned_dir, mark_owned
+from sao_actor_learner.run_dirs import is_owned, make_owned_dir, mark_owned, remove_if_ours
 
 LEARNER_STATE_FILE = "learner_state.pt"
 MANIFEST_FILE = "manifest.json"
@@ -111,7 +110,7 @@ def begin_checkpoint(path: str) -> str:
     """A fresh, marked temporary folder for the checkpoint `path` (a fresh run may clear it
     even if a crash leaves it half written); seal_checkpoint finishes it."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_if_ours(tmp, "a learner checkpoint")   # a crashed writer's with our pid: ours
     return make_owned_dir(tmp)
 
 
@@ -124,11 +123,11 @@ def seal_checkpoint(tmp: str, path: str) -> str:
     old = None
     if os.path.exists(path):   # os.replace cannot replace a non-empty folder: move it aside
         old = f"{path}.tmp-old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
+        remove_if_ours(old, "a learner checkpoint")
         os.replace(path, old)
     os.replace(tmp, path)
     fsync_path(os.path.dirname(os.path.abspath(path)))
-    if old is not None:
+    if old is not None and is_owned(old):   # the folder moved aside, if it was ours
         shutil.rmtree(old, ignore_errors=True)
     return path
 
@@ -168,7 +167,8 @@ def _check_without_manifest(path: str) -> Optional[str]:
     state = os.path.join(path, LEARNER_STATE_FILE)
     if not os.path.isfile(state) or os.path.getsize(state) == 0:
         return f"{LEARNER_STATE_FILE} is missing or empty"
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+    for file in sorted(os.path.join(path, n) for n in os.listdir(path)   # no glob: path is
+                       if n.endswith(".safetensors")):                     # under --run_dir
         try:
             read_safetensors_header(file)
         except ModelDirError as e:
@@ -207,7 +207,8 @@ def prune_checkpoints(checkpoint_root: str, keep: int) -> None:
     for name in os.listdir(checkpoint_root):
         path = os.path.join(checkpoint_root, name)
         if name.startswith("step_") and ".tmp" in name:
-            shutil.rmtree(path, ignore_errors=True)
+            if is_owned(path):     # an unfinished one of ours; anything else is left alone
+                shutil.rmtree(path, ignore_errors=True)
             continue
         m = _CHECKPOINT_RE.match(name)
         if m:

@@ -2,7 +2,9 @@
 
 checkpoints/step_<version>/ holds the policy as a Hugging Face model directory (with its
 tokenizer; LoRA: also adapter/ in PEFT's format), learner_state.pt (`learner_state`: optimizers,
-critic, estimator and every rank's sampler state, counters, loss epoch, RNG states) and
+critic, estimator and every rank's sampler state, counters, loss epoch, RNG states; tensors and
+plain containers only (safe_records.to_plain), read with torch.load(weights_only=True), which
+executes nothing a copied or changed checkpoint holds) and
 manifest.json (each file's size and sha256), fsynced and renamed into place
 (learner/checkpoint_files.py). The rollout source's journal is rotated with it
 (core.RolloutSource.checkpoint), so a restarted learner resumes from the newest intact one and
@@ -24,6 +26,7 @@ from sao_actor_learner.learner.checkpoint_files import (LEARNER_STATE_FILE, chec
                                                         prune_checkpoints, write_checkpoint)
 from sao_actor_learner.models.checkpoint import save_checkpoint as save_model_directory
 from sao_actor_learner.models.lora import save_adapter
+from sao_actor_learner.safe_records import UnsafeRecordError, from_plain, to_plain
 
 if TYPE_CHECKING:   # the learner imports this module
     from sao_actor_learner.learner.learner import Learner
@@ -55,6 +58,42 @@ def learner_state(learner: Learner) -> dict:
         "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                 "python": random.getstate()},
     }
+
+
+STATE_FORMAT = "sao-learner-state-2"
+
+
+def write_learner_state(state: dict, path: str) -> None:
+    """`state` (learner_state's) as tensors and plain containers (read_learner_state)."""
+    torch.save({"format": STATE_FORMAT, "state": to_plain(state, keep=(torch.Tensor,))}, path)
+
+
+def read_learner_state(path: str) -> dict:
+    """The state `write_learner_state` wrote, loaded with torch.load(weights_only=True): a file
+    that needs more (an older checkpoint's pickled objects, or a tampered one) is refused,
+    naming it, without running anything it holds."""
+    import pickle
+    try:
+        saved = torch.load(path, weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
+        raise UnsafeLearnerStateError(
+            f"{path} is not a learner state this version reads with torch.load("
+            f"weights_only=True) ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+            "it is not loaded, since unpickling a copied or changed file can run code (older "
+            "versions wrote pickled objects there). Resume with the version that wrote it, or "
+            "start a fresh run (without --resume)") from None
+    if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT:
+        raise UnsafeLearnerStateError(
+            f"{path} is not a learner state of format {STATE_FORMAT!r}: resume with the "
+            "version that wrote it, or start a fresh run (without --resume)")
+    try:
+        return from_plain(saved["state"])
+    except UnsafeRecordError as e:
+        raise UnsafeLearnerStateError(f"{path}: {e}; it is not loaded") from None
+
+
+class UnsafeLearnerStateError(RuntimeError):
+    """A learner_state.pt that cannot be read without running what it holds; names it."""
 
 
 def restore_learner_state(learner: Learner, state: dict) -> None:
@@ -107,7 +146,7 @@ def save_checkpoint(learner: Learner, root: str, tokenizer: Optional[core.Tokeni
             def write(tmp: str) -> None:   # into step_<N>.tmp-<pid>, marked (run_dirs.py)
                 save_model_directory(_WithStateDict(learner.policy, weights), tokenizer, tmp)
                 save_adapter(learner.policy, tmp)   # LoRA: adapter/ in PEFT's format
-                torch.save(state, os.path.join(tmp, LEARNER_STATE_FILE))
+                write_learner_state(state, os.path.join(tmp, LEARNER_STATE_FILE))
             # then manifest, fsync, rename; CheckpointWriteError naming it when the disk is
             # full (checkpoint_files.py)
             write_checkpoint(path, write)

@@ -22,6 +22,7 @@ from typing import Callable, Dict, Hashable, List, Sequence, Tuple
 
 import torch
 
+from sao_actor_learner.safe_records import plain_class
 from sao_actor_learner.types import Rollout
 
 
@@ -60,6 +61,7 @@ def group_normalized_advantages(rewards: torch.Tensor, group_ids: Sequence[Hasha
     return adv, means
 
 
+@plain_class   # kept in learner checkpoints (safe_records.py)
 class GroupAssembler:
     """Collects rollouts into whole groups of `group_size` by group_id.
 

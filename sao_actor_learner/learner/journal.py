@@ -21,8 +21,8 @@ had not yet written them) are not lost: their actors still hold them (they keep 
 until the learner acknowledges it) and re-insert them when the restarted learner starts a new
 loss epoch (learner/progress.py).
 
-Each journal record is one write: a 12-byte header (magic, length, crc32) and the pickled list
-of rollouts. A record torn by a crash mid-write fails its crc and is ignored. A write that
+Each journal record is one write (segments.py: a header with a crc32, then the rollouts in
+safe_records' format, which never executes code when read). A torn record is ignored. A write that
 fails or writes short is an error (`JournalWriteError`): the journal refuses every later record
 and the learner stops (records appended after a torn one would be lost at the next resume).
 
@@ -66,8 +66,9 @@ from sao_actor_learner.run_dirs import make_owned_dir
 class ReaderJournal:
     """Append-only segments of sample() results (see the module docstring)."""
 
-    def __init__(self, directory: str, after_step: int) -> None:
+    def __init__(self, directory: str, after_step: int, run_id: str = "") -> None:
         self.directory = directory
+        self.run_id = run_id         # recorded in each segment's meta (ResumePoint checks it)
         make_owned_dir(directory)    # marked: a fresh run may clear it (run_dirs.py)
         self._lock = threading.Lock()
         self._fd: Optional[int] = None
@@ -83,6 +84,12 @@ class ReaderJournal:
             with open(path, "r+b") as f:   # drop a torn tail before appending after it
                 f.truncate(good)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if self.run_id and os.fstat(fd).st_size == 0:   # a new segment names its run first
+            meta = frame({"run_id": self.run_id})
+            if os.write(fd, meta) != len(meta):
+                os.close(fd)
+                raise JournalWriteError(errno.EIO, f"journal {path}: short write of its meta "
+                                        "record")
         old, self._fd, self.after_step = self._fd, fd, after_step
         self.segment_bytes = os.fstat(fd).st_size
         if old is not None:
@@ -121,8 +128,10 @@ class ReaderJournal:
         with self._lock:
             if self.failed is not None:
                 raise self.failed
-        write_segment(segment_path(self.directory, after_step),
-                      {"carry": sum(len(r) for r in carry)}, carry)
+        meta = {"carry": sum(len(r) for r in carry)}
+        if self.run_id:
+            meta["run_id"] = self.run_id
+        write_segment(segment_path(self.directory, after_step), meta, carry)
         result = commit()
         with self._lock:
             self._open(after_step)
@@ -281,9 +290,10 @@ class ResumePoint:
     also logged. Reading changes nothing on disk; `reader()` does (a fallback's chain is
     rewritten as one segment)."""
 
-    def __init__(self, checkpoint_root: str, rank: int = 0) -> None:
+    def __init__(self, checkpoint_root: str, rank: int = 0, run_id: str = "") -> None:
         self.checkpoint_root = checkpoint_root
         self.journal_dir = journal_dir(checkpoint_root, rank)
+        self.run_id = run_id     # given: only what this run's journal names is resumed from
         self.skipped: List[Tuple[str, str]] = []
         self._later: List[int] = []     # segments after the chosen one's (its chain)
         self._extra = False             # whether they add rollouts to it
@@ -318,6 +328,11 @@ class ResumePoint:
         if not newest and not os.path.exists(first):
             return f"its journal segment {first} is gone"
         records, meta, _ = read_segment_meta(first)
+        if self.run_id and (os.path.exists(first) or step > 0) and \
+                meta.get("run_id") != self.run_id:   # a fresh run never resumes another's
+            return (f"its journal segment {first} names run {meta.get('run_id')!r}, not this "
+                    f"run {self.run_id!r} (run_identity.py): another run's, or an older "
+                    "version's; a run resumes only what it wrote itself")
         later = [s for s in segment_steps(self.journal_dir) if s > step]
         extra: List[Any] = []
         merged = meta.get("merged", {})
@@ -366,15 +381,16 @@ class ResumePoint:
             logging.warning("learner: journal segments after step %d merged into %s: %s",
                             self.step, path, self._later)
             self._later = []
-        return ReaderJournal(self.journal_dir, self.step)
+        return ReaderJournal(self.journal_dir, self.step, self.run_id)
 
     def restore(self, learner: Any) -> None:
         """Loads the checkpoint's learner state into `learner` (whose policy was built from the
         checkpoint's weights) and marks it resumed."""
         if self.checkpoint is not None:
-            import torch   # only here: the rest of this module needs no torch
-            learner.restore(torch.load(os.path.join(self.checkpoint, LEARNER_STATE_FILE),
-                                       weights_only=False))
+            # torch only here: the rest of this module needs none
+            from sao_actor_learner.learner.checkpointing import read_learner_state
+            learner.restore(read_learner_state(os.path.join(self.checkpoint,
+                                                            LEARNER_STATE_FILE)))
         elif self.replay:
             learner.resumed_from = 0
         if self.resuming:

@@ -1,9 +1,12 @@
 """The files of the learner's journal (journal.py): one segment per checkpoint,
 `<journal dir>/after_step_<N>.log`, a sequence of records, each one write of a 12-byte header
-(magic, payload length, crc32 of the payload) and a pickled payload: a list of rollouts, or a
-meta dict (`carry`: how many rollouts at the segment's start were carried over from the one
-before; `merged`: the sha256 of each later segment a fallback merged into it). A torn or
-corrupt record ends the segment's intact prefix.
+(magic, payload length, crc32 of the payload) and a payload in safe_records' format (plain
+data, arrays and Rollouts; reading it never executes code): a list of rollouts, or a meta dict
+(`run_id`: the run that wrote the segment, run_identity.py; `carry`: how many rollouts at the
+segment's start were carried over from the one before; `merged`: the sha256 of each later
+segment a fallback merged into it). A torn or corrupt record ends the segment's intact prefix.
+A segment of a version before this format (pickled records) is refused (OldJournalError), never
+unpickled.
 
 No torch here.
 """
@@ -11,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 import re
 import struct
 import zlib
@@ -19,6 +21,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from absl import logging
 
+from sao_actor_learner import safe_records
 from sao_actor_learner.learner.checkpoint_files import fsync_path
 
 _MAGIC = b"SAOJ"
@@ -28,6 +31,11 @@ _SEGMENT_RE = re.compile(r"^after_step_(\d{6,})\.log$")
 
 class JournalWriteError(OSError):
     """A journal record could not be written whole; the journal takes no more records."""
+
+
+class OldJournalError(RuntimeError):
+    """A journal segment whose intact records are not in safe_records' format (a version
+    before it pickled them, or a tampered file); the message names it and what to do."""
 
 
 def journal_dir(checkpoint_root: str, rank: int = 0) -> str:
@@ -40,7 +48,7 @@ def segment_path(directory: str, after_step: int) -> str:
 
 
 def frame(obj: Any) -> bytes:
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = safe_records.dumps(obj)
     return _HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)) + payload
 
 
@@ -83,7 +91,14 @@ def read_segment_meta(path: str) -> Tuple[List[List[Any]], Dict[str, Any], int]:
             logging.warning("journal %s: torn or corrupt record at byte %d (of %d); ignoring "
                             "the rest", path, pos, len(data))
             break
-        record = pickle.loads(data[start:end])
+        try:
+            record = safe_records.loads(data[start:end])
+        except safe_records.UnsafeRecordError as e:
+            raise OldJournalError(
+                f"journal segment {path}: record at byte {pos} is not in this version's format "
+                f"({e}); it is not read (an older journal was pickled, and unpickling a copied "
+                "or changed file can run code). Resume with the version that wrote it, or "
+                "start a fresh run (without --resume)") from None
         if isinstance(record, dict):
             meta.update(record)
         else:

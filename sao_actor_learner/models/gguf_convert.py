@@ -57,7 +57,7 @@ def find_gguf_file(path: str) -> str:
     if not os.path.isdir(path):
         raise GGUFConversionError(f"{path}: no such file or directory (pass a .gguf file, or a "
                                   "directory holding one)")
-    found = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    found = sorted(glob.glob(os.path.join(glob.escape(path), "*.gguf")))
     if not found:
         raise GGUFConversionError(f"{path}: the directory holds no *.gguf file (pass the GGUF "
                                   "file itself, e.g. .../SmolLM2-135M-Instruct.Q4_1.gguf)")
@@ -207,7 +207,8 @@ def convert_gguf(gguf_path: str, out_dir: str, tolerance: float = 1e-4) -> Dict[
 
     from sao_actor_learner.models.hf_tokenizer import HFTokenizer
 
-    from sao_actor_learner.run_dirs import check_clearable, mark_owned
+    from sao_actor_learner.run_dirs import (check_clearable, make_owned_dir, mark_owned,
+                                            remove_if_ours)
     check_clearable(out_dir, "--out_dir")    # only a folder this project made is replaced
     path = find_gguf_file(gguf_path)
     header = check_gguf_file(path)
@@ -215,8 +216,8 @@ def convert_gguf(gguf_path: str, out_dir: str, tolerance: float = 1e-4) -> Dict[
     model = to_plain_model(gguf_model)
     generation = generation_config_of(hf_tokenizer, model.config)
     partial = out_dir.rstrip("/") + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
+    remove_if_ours(partial, "the conversion")   # an earlier, interrupted one's: marked
+    make_owned_dir(partial)
     model.generation_config = GenerationConfig(**generation)
     model.save_pretrained(partial, safe_serialization=True)
     HFTokenizer(hf_tokenizer, extra_stop_ids=(generation["eos_token_id"],)).save(partial)
@@ -237,6 +238,7 @@ def convert_gguf(gguf_path: str, out_dir: str, tolerance: float = 1e-4) -> Dict[
     with open(os.path.join(partial, SOURCE_FILE), "w") as f:
         json.dump(record, f, indent=2)
     mark_owned(partial)
+    check_clearable(out_dir, "--out_dir")   # again: the conversion took a while
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.rename(partial, out_dir)

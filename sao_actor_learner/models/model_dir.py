@@ -54,7 +54,7 @@ def check_model_dir(path: str, flag: str = "--model") -> None:
     if not os.path.exists(os.path.join(path, "config.json")):
         raise ModelDirError(f"{flag}={path!r} holds no config.json: not a Hugging Face model "
                             "directory (save_pretrained writes one)")
-    if not any(glob.glob(os.path.join(path, pattern)) for pattern in WEIGHT_PATTERNS):
+    if not any(glob.glob(os.path.join(glob.escape(path), pattern)) for pattern in WEIGHT_PATTERNS):
         raise ModelDirError(f"{flag}={path!r} holds no weights (no *.safetensors or "
                             "pytorch_model*.bin): download the weight files too")
     if not any(os.path.exists(os.path.join(path, f))
@@ -153,7 +153,7 @@ def check_weight_files(path: str, flag: str, config: Optional[Dict[str, Any]] = 
     """Reads the header of every safetensors file in `path` (read_safetensors_header), checks
     that a sharded index names files that exist and that no .bin file is empty, and, when the
     embedding tensor is found, that it has config's vocab_size rows."""
-    for index in sorted(glob.glob(os.path.join(path, "*.safetensors.index.json"))):
+    for index in sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors.index.json"))):
         try:
             with open(index) as f:
                 shards = set(json.load(f)["weight_map"].values())
@@ -165,7 +165,7 @@ def check_weight_files(path: str, flag: str, config: Optional[Dict[str, Any]] = 
             raise ModelDirError(f"{flag}={path!r}: {os.path.basename(index)} names weight "
                                 f"files that are missing: {missing[:4]}; download them too")
     vocab = (config or {}).get("vocab_size")
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+    for file in sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors"))):
         try:
             header = read_safetensors_header(file)
         except ModelDirError as e:
@@ -177,7 +177,7 @@ def check_weight_files(path: str, flag: str, config: Optional[Dict[str, Any]] = 
                     f"{flag}={path!r}: {os.path.basename(file)}: the embedding {name} has "
                     f"{entry['shape'][0]} rows but config.json's vocab_size is {vocab}: the "
                     "weights and the config do not belong together")
-    for file in sorted(glob.glob(os.path.join(path, "pytorch_model*.bin"))):
+    for file in sorted(glob.glob(os.path.join(glob.escape(path), "pytorch_model*.bin"))):
         if os.path.getsize(file) == 0:
             raise ModelDirError(f"{flag}={path!r}: {file} is empty (0 bytes)")
 
@@ -200,7 +200,7 @@ def check_critic_dir(path: str, model: str, flag: str = "--critic_model",
         raise ModelDirError(f"{flag}={path!r} is not a directory (a critic directory written by "
                             "ValueModel.save, or a causal-LM directory)")
     config = read_config(path, flag)
-    if not any(glob.glob(os.path.join(path, pattern)) for pattern in WEIGHT_PATTERNS):
+    if not any(glob.glob(os.path.join(glob.escape(path), pattern)) for pattern in WEIGHT_PATTERNS):
         raise ModelDirError(f"{flag}={path!r} holds no weights (no *.safetensors or "
                             "pytorch_model*.bin)")
     check_weight_files(path, flag, config)

@@ -8,13 +8,15 @@ column laid out as
     offset 0        header (64 bytes, little-endian, no padding; HEADER below):
                     magic b"SAO1", length L (int32), prompt_id (int64), actor_id (int32),
                     group_id (int64), start_time (float64), end_time (float64), truncated (int8),
-                    seq (int64); zeros to byte 64
+                    seq (int64); zeros to byte 56; run tag (uint64, RUN_TAG: the run
+                    the item belongs to, replay/validation.py)
     offset 64       tokens        L x int32
                     rollout_logp  L x float32
                     versions      L x int32
                     rewards       L x float32
                     action_mask   L x int8
-    offset 64+17L   signature     32 bytes: HMAC-SHA256 of bytes [0, 64+17L) under the run's secret
+    offset 64+17L   signature     32 bytes: HMAC-SHA256 of bytes [0, 64+17L) under the actor's
+                                  key (derived from the run's secret, run id and actor id)
     then            zeros up to the writer's length bucket (ignored)
 
 The 4-byte columns start at multiples of 4, so the reader's columns are aligned zero-copy views
@@ -46,7 +48,11 @@ BODY_COLUMNS = (("tokens", np.int32), ("rollout_logp", np.float32), ("versions",
                 ("rewards", np.float32), ("action_mask", np.int8))
 BYTES_PER_TOKEN = sum(np.dtype(dtype).itemsize for _, dtype in BODY_COLUMNS)  # 17
 
-assert HEADER.size <= HEADER_BYTES
+# The run tag sits at the header's end, inside the signed span.
+RUN_TAG = struct.Struct("<Q")
+RUN_TAG_OFFSET = HEADER_BYTES - RUN_TAG.size
+
+assert HEADER.size <= RUN_TAG_OFFSET
 
 
 def signed_bytes(length: int) -> int:
@@ -62,10 +68,11 @@ def item_bytes(length: int) -> int:
 class Parsed(NamedTuple):
     """An item split into its parts: `columns` are views into the item (per-token columns;
     the scalars as Python ints and floats, in the ranges of types.SCALAR_DTYPES), `signed` the
-    span the signature covers, `signature` the stored one."""
+    span the signature covers, `signature` the stored one, `run_tag` the header's run tag."""
     columns: Dict[str, np.ndarray]
     signed: memoryview
     signature: bytes
+    run_tag: int = 0
 
 
 def header(cols: Dict[str, object], length: int) -> bytes:
@@ -84,10 +91,12 @@ def length_of(item: np.ndarray) -> int:
 
 
 def pack(cols: Dict[str, np.ndarray], padded_length: int,
-         sign: Optional["callable"] = None, header_bytes: Optional[bytes] = None) -> np.ndarray:
+         sign: Optional["callable"] = None, header_bytes: Optional[bytes] = None,
+         run_tag: int = 0) -> np.ndarray:
     """The item of exact-dtype columns (replay/validation.py check_columns' output) padded to
     `padded_length` tokens; `sign(memoryview) -> 32 bytes` fills the signature (None: zeros);
-    `header_bytes`: the columns' header() if already made. Raises struct.error for scalars outside
+    `header_bytes`: the columns' header() if already made; `run_tag`: the run's tag (in the
+    signed span). Raises struct.error for scalars outside
     their dtype's range, TypeError for a non-integer id or a non-number time."""
     length = int(cols["tokens"].shape[0])
     if padded_length < length:
@@ -97,6 +106,7 @@ def pack(cols: Dict[str, np.ndarray], padded_length: int,
     buf = np.zeros(item_bytes(padded_length), np.uint8)
     view = buf.data
     view[:HEADER.size] = header_bytes
+    RUN_TAG.pack_into(buf, RUN_TAG_OFFSET, run_tag)
     offset = -1
     if native is not None:
         try:
@@ -136,4 +146,5 @@ def parse(item: np.ndarray) -> Parsed:
         offset += size
     columns.update(prompt_id=prompt_id, actor_id=actor_id, group_id=group_id,
                    start_time=start_time, end_time=end_time, truncated=truncated, seq=seq)
-    return Parsed(columns, item.data[:offset], bytes(item[offset:offset + SIGNATURE_BYTES]))
+    return Parsed(columns, item.data[:offset], bytes(item[offset:offset + SIGNATURE_BYTES]),
+                  RUN_TAG.unpack_from(item, RUN_TAG_OFFSET)[0])

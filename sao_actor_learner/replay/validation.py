@@ -4,9 +4,13 @@ Two places check rollouts with the same rules (`check_columns`):
   - the actor's writer, before anything is sent (a broken engine's output never reaches replay);
   - the learner's reader, on everything it samples: Reverb has no authentication, so anything
     that reaches its port can insert items. The reader also checks each item's signature
-    (`RolloutSigner`): an HMAC-SHA256, under a secret made at launch and handed only to the
-    actors and the learner, over the item's header and every column (replay/item.py). A forged, malformed or tampered item
-    is dropped and counted by reason, never trained on.
+    (`RolloutSigner`): an HMAC-SHA256 over the item's header and every column (replay/item.py)
+    under the key of the actor the header names: HMAC(secret, run id | actor id), from a secret
+    made at launch (or $SAO_ROLLOUT_SECRET) that only the learner holds, and the run id (new per
+    fresh run, kept on resume). Each actor is handed its own key only, so it cannot sign as
+    another actor id, and an item of another run (its header's run tag, in the signed span,
+    names that run; its key differs) never verifies. A forged, malformed, tampered or
+    other-run item is dropped and counted by reason, never trained on.
 
 What the signature does not stop: a stranger who can reach the Reverb port can still read the
 queue (sample items, which also removes them: a drain that delays training; the actors re-insert
@@ -19,6 +23,7 @@ hashlib.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import struct
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -51,8 +56,12 @@ REJECT_REASONS: Dict[str, str] = {
     "negative_version": "versions < 0 on an action token: the engine must tag every sampled token "
                         "with the policy version that sampled it",
     "nonfinite_reward": "rewards contain NaN or inf",
-    "bad_signature": "the item's signature does not match its columns under this run's secret: "
-                     "it was not written by one of this run's actors (or was changed on the way)",
+    "other_run": "the item's header names another run (an earlier run's item, e.g. from a "
+                 "replay checkpoint or a reused $SAO_ROLLOUT_SECRET, or a forgery): refused "
+                 "whatever its signature",
+    "bad_signature": "the item's signature does not match its columns under the key of the "
+                     "actor it names in this run: it was not written by that actor of this run "
+                     "(another actor, a forger, or changed on the way)",
     "version_from_future": "an action token's version is newer than the learner's: no engine "
                            "could have sampled it (a forged or corrupted item)",
 }
@@ -209,31 +218,75 @@ def rollout_columns(rollout) -> Dict[str, Any]:
     return out
 
 
-class RolloutSigner:
-    """HMAC-SHA256 under the run's secret (see the module docstring) of an item's signed span:
-    its header (the scalars and the length) and every per-token column (replay/item.py)."""
+def run_tag(run_id: str) -> int:
+    """The 64-bit tag of run `run_id` in every item's header (replay/item.py); never 0 (an
+    unsigned item's)."""
+    tag = int.from_bytes(hashlib.sha256(b"sao-run\0" + run_id.encode()).digest()[:8], "little")
+    return tag or 1
 
-    def __init__(self, secret: bytes):
-        if isinstance(secret, str):
-            secret = bytes.fromhex(secret)
+
+class RolloutSigner:
+    """The run's rollout keys (see the module docstring): one HMAC-SHA256 key per actor,
+    derived from the run's secret, its run id and the actor id, so an item verifies only in its
+    own run and only under the actor id it names. The learner holds this (it verifies every
+    actor's items); each actor is handed its own key alone (`actor_key`, `ActorSigner`)."""
+
+    def __init__(self, secret: bytes, run_id: str = ""):
+        if isinstance(secret, str):   # hex (as made per launch), else the text's bytes
+            try:
+                secret = bytes.fromhex(secret)
+            except ValueError:
+                secret = secret.encode()
         if len(secret) < 16:
             raise ValueError("the rollout secret must have at least 16 bytes")
         self._secret = bytes(secret)
+        self.run_id = str(run_id)
+        self.run_tag = run_tag(self.run_id)
+        self._keys: Dict[int, bytes] = {}
+
+    def actor_key(self, actor_id: int) -> bytes:
+        """Actor `actor_id`'s signing key in this run: HMAC(secret, run id | actor id)."""
+        key = self._keys.get(actor_id)
+        if key is None:
+            key = hmac.digest(self._secret, b"sao-rollout-key\0" + self.run_id.encode() +
+                              b"\0" + str(int(actor_id)).encode(), "sha256")
+            self._keys[actor_id] = key
+        return key
+
+    def for_actor(self, actor_id: int) -> "ActorSigner":
+        return ActorSigner(self.actor_key(actor_id), self.run_id)
+
+    def sign(self, signed: memoryview, actor_id: int) -> bytes:
+        return hmac.digest(self.actor_key(actor_id), signed, "sha256")
+
+    def verify(self, signed: memoryview, signature: bytes, actor_id: int) -> bool:
+        return len(signature) == SIGNATURE_BYTES and hmac.compare_digest(
+            self.sign(signed, actor_id), signature)
+
+
+class ActorSigner:
+    """One actor's signer (what its writer holds): its key (RolloutSigner.actor_key, bytes or
+    hex) and the run id whose tag its items carry."""
+
+    def __init__(self, key: bytes, run_id: str = ""):
+        if isinstance(key, str):
+            key = bytes.fromhex(key)
+        if len(key) < 16:
+            raise ValueError("an actor's rollout key must have at least 16 bytes")
+        self._key = bytes(key)
+        self.run_tag = run_tag(str(run_id))
 
     def sign(self, signed: memoryview) -> bytes:
         """The 32-byte signature of `signed` (one C call: hmac.digest)."""
-        return hmac.digest(self._secret, signed, "sha256")
-
-    def verify(self, signed: memoryview, signature: bytes) -> bool:
-        return len(signature) == SIGNATURE_BYTES and hmac.compare_digest(self.sign(signed),
-                                                                          signature)
+        return hmac.digest(self._key, signed, "sha256")
 
 
 class RolloutVerifier:
     """Turns a sampled item's flat columns into a Rollout, or names why it is refused.
 
     Args:
-      signer: the run's RolloutSigner; None skips the signature (tests, benchmarks).
+      signer: the run's RolloutSigner; None skips the run tag and signature (tests,
+        benchmarks).
       vocab_size, max_sequence_length: as the writer's.
     """
 
@@ -257,6 +310,9 @@ class RolloutVerifier:
         reason = check_values(cols, self.vocab_size, self.max_sequence_length)
         if reason is not None:
             return None, reason
-        if self.signer is not None and not self.signer.verify(parsed.signed, parsed.signature):
-            return None, "bad_signature"
+        if self.signer is not None:
+            if parsed.run_tag not in (0, self.signer.run_tag):   # 0: no tag (unsigned)
+                return None, "other_run"
+            if not self.signer.verify(parsed.signed, parsed.signature, cols["actor_id"]):
+                return None, "bad_signature"
         return Rollout(**cols), None

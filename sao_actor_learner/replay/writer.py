@@ -49,9 +49,10 @@ then:
 
 Validation (replay/validation.py) runs before anything is sent; a bad rollout is never inserted,
 `write` returns False (`write_many`: `WriteResult.rejected` names the reason) and counts the
-reason in `rejected` (see REJECT_REASONS), and never raises for bad data. With a `signer` every
-item carries the HMAC of its columns (the `signature` column), which the learner's reader checks;
-without one the signature is zeros (a reader that checks refuses such items).
+reason in `rejected` (see REJECT_REASONS), and never raises for bad data. With a `signer` (the
+actor's ActorSigner) every item carries its run's tag and the HMAC of its header and columns
+under the actor's key, which the learner's reader checks; without one the tag and signature are
+zeros (a reader that checks refuses such items).
 
 One `RolloutWriter` per actor; `write` and `write_many` are serialised by a lock, so sharing one
 is safe but slow.
@@ -70,7 +71,7 @@ from sao_actor_learner.replay import item
 from sao_actor_learner.replay.client import SERVER_INFO_TIMEOUT_S, connect
 from sao_actor_learner.replay.streams import InsertStreams
 from sao_actor_learner.replay.tables import DEFAULT_TABLE
-from sao_actor_learner.replay.validation import (REJECT_REASONS, RolloutSigner,  # noqa: F401
+from sao_actor_learner.replay.validation import (REJECT_REASONS, ActorSigner,  # noqa: F401
                                                  check_rollout, checked_item_parts)
 from sao_actor_learner import core
 from sao_actor_learner.types import Rollout
@@ -127,12 +128,13 @@ class RolloutWriter(core.RolloutSink):
       vocab_size: token ids must lie in [0, vocab_size).
       buckets_per_octave: length buckets per doubling (padding < 1/buckets_per_octave of the
         tokens; each bucket in use holds one Reverb writer and its gRPC stream).
-      signer: a RolloutSigner (the run's secret) for the items' signatures; None: zeros.
+      signer: the actor's ActorSigner (its key and the run's tag) for the items' signatures;
+        None: zeros (no run tag).
     """
 
     def __init__(self, client_or_address: Union[str, Any], table: str = DEFAULT_TABLE,
                  max_sequence_length: int = 0, vocab_size: int = 0, *,
-                 buckets_per_octave: int = 4, signer: Optional[RolloutSigner] = None):
+                 buckets_per_octave: int = 4, signer: Optional[ActorSigner] = None):
         if max_sequence_length < 1:
             raise ValueError(f"max_sequence_length={max_sequence_length}: must be >= 1 (pass "
                              "SAOConfig.max_sequence_length)")
@@ -261,9 +263,10 @@ class RolloutWriter(core.RolloutSink):
             return results
 
     def _pack(self, cols: Dict[str, Any], header: bytes, padded_length: int) -> np.ndarray:
-        return item.pack(cols, padded_length,
-                         self._signer.sign if self._signer is not None else None,
-                         header_bytes=header)
+        if self._signer is None:
+            return item.pack(cols, padded_length, None, header_bytes=header)
+        return item.pack(cols, padded_length, self._signer.sign, header_bytes=header,
+                         run_tag=self._signer.run_tag)
 
     def _reject(self, reason: str, rollout: Any) -> None:
         self._rejected[reason] += 1

@@ -29,6 +29,8 @@ import weakref
 from multiprocessing.connection import Connection, Pipe
 from typing import Optional, Set, Tuple
 
+from sao_actor_learner.secret_env import without_secrets
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _WORKER_CODE = "from sao_actor_learner.rewards.pool import worker_main; worker_main()"
 
@@ -38,7 +40,7 @@ class _Worker:
 
     def __init__(self, spec: str, timeout_s: float):
         parent, child = Pipe(duplex=True)
-        env = dict(os.environ)
+        env = without_secrets()   # user reward code: none of the run's secrets
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
         env["SAO_REWARD_WORKER"] = f"{child.fileno()}:{os.getpid()}"
         try:

@@ -35,11 +35,12 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
+from sao_actor_learner.launch.addresses import is_loopback  # noqa: F401 (the one rule)
+
 AUTH_TOKEN_METADATA_KEY = "x-sao-auth-token"
 # Publish and ReportProgress also need the per-launch publisher token, held by the learner only.
 PUBLISHER_TOKEN_METADATA_KEY = "x-sao-publisher-token"
 AUTH_TOKEN_ENV = "SAO_AUTH_TOKEN"
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 MIN_AUTH_TOKEN_CHARS = 16
 # A safetensors header larger than this is refused (the format's own limit is 100 MB).
 MAX_HEADER_BYTES = 100 << 20
@@ -69,11 +70,6 @@ def resolve_auth_token(token: Optional[str] = None) -> str:
     if token is not None:
         return token
     return os.environ.get(AUTH_TOKEN_ENV, "")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` is reachable from this machine only."""
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
 def check_bind(host: str, auth_token: str, what: str = "a service", tls: bool = False,

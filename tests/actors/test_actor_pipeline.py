@@ -177,7 +177,8 @@ def read_replay(address, n):
 
 
 def spool_files(directory):
-    return sorted(int(name[:-4]) for name in os.listdir(directory) if name.endswith(".pkl"))
+    return sorted(int(name.split(".")[0]) for name in os.listdir(directory)
+                  if name.endswith(".rollout"))
 
 
 @pytest.fixture()

@@ -23,8 +23,8 @@ def files(directory):
     return sorted(os.listdir(directory))
 
 
-def pkl(seq: int) -> str:
-    return f"{seq:012d}.pkl"
+def spooled(seq: int) -> str:
+    return f"{seq:012d}.rollout"
 
 
 def ledger_lines(directory):
@@ -55,7 +55,7 @@ def test_put_sent_acknowledge_round_trip(directory):
     assert [spool.put(r) for r in rollouts] == [0, 1, 2, 3, 4]
     assert [r.seq for r in rollouts] == [0, 1, 2, 3, 4]          # put sets rollout.seq
     assert [r.key for r in rollouts] == [(2, s) for s in range(5)]
-    assert files(directory) == sorted([LEDGER] + [pkl(s) for s in range(5)])
+    assert files(directory) == sorted([LEDGER] + [spooled(s) for s in range(5)])
     assert (spool.completed, spool.sent_once, spool.held) == (5, 0, 5)
 
     assert spool.sent([0, 1, 2], epoch=0) == 3                   # first time: all three
@@ -67,7 +67,7 @@ def test_put_sent_acknowledge_round_trip(directory):
     assert spool.acknowledge(lambda s: s in consumed) == 2
     assert spool.acknowledge(lambda s: s in consumed) == 0       # already forgotten
     assert (spool.completed, spool.sent_once, spool.acknowledged, spool.held) == (5, 4, 2, 3)
-    assert files(directory) == sorted([LEDGER] + [pkl(s) for s in (1, 3, 4)])
+    assert files(directory) == sorted([LEDGER] + [spooled(s) for s in (1, 3, 4)])
 
     loaded = spool.load(3)
     assert loaded.seq == 3 and loaded.prompt_id == 3
@@ -112,10 +112,10 @@ def test_to_send_lists_never_sent_and_sent_in_an_earlier_epoch(directory):
     spool.acknowledge(lambda s: s in (0, 1))
     assert [s for s, _ in spool.to_send(5)] == [2, 3, 4]            # acknowledged: never again
     # An unreadable file is logged and skipped, not sent, and kept.
-    with open(os.path.join(directory, pkl(3)), "wb") as f:
+    with open(os.path.join(directory, spooled(3)), "wb") as f:
         f.write(b"not a pickle")
     assert [s for s, _ in spool.to_send(5)] == [2, 4] and spool.held == 3
-    assert pkl(3) in files(directory)
+    assert spooled(3) in files(directory)
     spool.close()
 
 
@@ -124,11 +124,11 @@ def test_restart_after_crash_before_the_rename_drops_the_temporary_file(director
     spool.put(rollout(0))
     spool.put(rollout(1))
     spool.close()
-    with open(os.path.join(directory, pkl(2) + ".tmp"), "wb") as f:   # died while writing 2
+    with open(os.path.join(directory, spooled(2) + ".tmp"), "wb") as f:   # died while writing 2
         f.write(b"half a pickle")
     assert read_ledger(directory)["completed"] == {0, 1}
     spool = RolloutSpool(directory)
-    assert files(directory) == sorted([LEDGER, pkl(0), pkl(1)])      # the tmp file is gone
+    assert files(directory) == sorted([LEDGER, spooled(0), spooled(1)])      # the tmp file is gone
     assert spool.completed == 2 and spool.held == 2
     assert [s for s, _ in spool.to_send(0)] == [0, 1]
     assert spool.put(rollout(2)) == 2                                # 2 was never completed
@@ -200,15 +200,15 @@ def test_restart_after_an_acknowledged_file_outlived_the_crash_deletes_it(direct
     for k in range(3):
         spool.put(rollout(k))
     spool.sent([0, 1, 2], epoch=0)
-    with open(os.path.join(directory, pkl(1)), "rb") as f:
+    with open(os.path.join(directory, spooled(1)), "rb") as f:
         kept = f.read()
     assert spool.acknowledge(lambda s: s == 1) == 1
     spool.close()
-    with open(os.path.join(directory, pkl(1)), "wb") as f:   # died between "ack" and the delete
+    with open(os.path.join(directory, spooled(1)), "wb") as f:   # died between "ack" and the delete
         f.write(kept)
     assert read_ledger(directory)["held"] == {0, 2}          # the ledger already says acked
     spool = RolloutSpool(directory)
-    assert files(directory) == sorted([LEDGER, pkl(0), pkl(2)])
+    assert files(directory) == sorted([LEDGER, spooled(0), spooled(2)])
     assert spool.held == 2 and spool.acknowledged == 1 and spool.completed == 3
     assert [s for s, _ in spool.to_send(1)] == [0, 2]        # never 1 again, in any epoch
     spool.close()

@@ -654,6 +654,16 @@ def test_server_code_imports_nothing_from_the_main_environment():
             in out.stdout)
 
 
+def test_the_vllm_server_gets_none_of_the_runs_secrets(tmp_path, monkeypatch):
+    """The vLLM server runs a third party's code: no secret of the launch's environment."""
+    from sao_actor_learner.secret_env import SECRET_ENV_VARS
+    for name in SECRET_ENV_VARS:
+        monkeypatch.setenv(name, "secret-value-" + "x" * 16)
+    env = VLLMServer(str(tmp_path), python=str(tmp_path / "python")).environment()
+    assert not [k for k, v in env.items() if "secret-value" in v]
+    assert env["HF_HUB_OFFLINE"] == "1"
+
+
 def test_config_validates_the_vllm_fields(tmp_path):
     with pytest.raises(ConfigError, match="vllm_python=.*does not exist.*make vllm-env"):
         SAOConfig(engine="vllm", vllm_python=str(tmp_path / "no_python"))

@@ -111,8 +111,9 @@ def test_the_lean_profile_runs_the_whole_program(warm_start, tmp_path):
     assert summary["rollouts_trained"] == 4 * config.batch_size
     with open(os.path.join(config.run_dir, "config.json")) as f:
         assert SAOConfig.from_json(f.read()) == config
-    state = torch.load(os.path.join(config.run_dir, "checkpoints", "step_000004",
-                                    "learner_state.pt"), weights_only=False)
+    from sao_actor_learner.learner.checkpointing import read_learner_state
+    state = read_learner_state(os.path.join(config.run_dir, "checkpoints", "step_000004",
+                                            "learner_state.pt"))
     assert set(state["estimator"]) >= {"value_head", "value_head_opt"}
     assert "critic" not in state["estimator"]                  # no second network saved
 

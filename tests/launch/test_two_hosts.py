@@ -28,6 +28,7 @@ from sao_actor_learner.observers import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AUTH, LEARNER, ROLLOUT = "actor-token-" + "a" * 20, "learner-token-" + "b" * 20, "c" * 64
+RUN_ID = "two-hosts-" + "d" * 22   # both launches share the run id (run_identity.py)
 MAX_STEPS, BATCH = 3, 8
 pytestmark = pytest.mark.timeout(240)
 
@@ -100,8 +101,9 @@ def test_training_across_two_hosts_with_tls_and_tokens(hosts, tmp_path, warm_sta
     base_env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     # Each host's environment holds only the secrets its nodes use (credentials.py).
     env_a = {**base_env, "SAO_AUTH_TOKEN": AUTH, "SAO_LEARNER_TOKEN": LEARNER,
-             "SAO_ROLLOUT_SECRET": ROLLOUT}
-    env_b = {**base_env, "SAO_AUTH_TOKEN": AUTH, "SAO_ROLLOUT_SECRET": ROLLOUT}
+             "SAO_ROLLOUT_SECRET": ROLLOUT, "SAO_RUN_ID": RUN_ID}
+    env_b = {**base_env, "SAO_AUTH_TOKEN": AUTH, "SAO_ROLLOUT_SECRET": ROLLOUT,
+             "SAO_RUN_ID": RUN_ID}
     common = [f"--model={warm_start}", f"--max_steps={MAX_STEPS}", f"--batch_size={BATCH}",
               "--actor_batch=4", "--max_staleness=1", "--num_actors=1", "--evaluator=off",
               "--replay_checkpoints=false", "--weight_transport=grpc"]

@@ -135,7 +135,7 @@ def _random_ledger(directory, rng):
     if rng.random() < 0.5:
         lines.append(f"ask {rng.randrange(1, 4)}")        # unanswered
     for seq in held:
-        open(os.path.join(directory, f"{seq:012d}.pkl"), "wb").close()
+        open(os.path.join(directory, f"{seq:012d}.rollout"), "wb").close()
     with open(os.path.join(directory, LEDGER), "w") as f:
         f.write("".join(line + "\n" for line in lines) + "put 9")      # torn
 

@@ -310,7 +310,8 @@ def test_checkpoint_is_a_merged_model_directory_with_a_peft_adapter_and_resumes(
         adapted = PeftModel.from_pretrained(load_policy(model_dir)[0],
                                             os.path.join(path, "adapter"))
         torch.testing.assert_close(adapted(tokens).logits, expected, atol=1e-5, rtol=1e-5)
-    state = torch.load(os.path.join(path, "learner_state.pt"), weights_only=False)
+    from sao_actor_learner.learner.checkpointing import read_learner_state
+    state = read_learner_state(os.path.join(path, "learner_state.pt"))
 
     resumed = lora_learner(model_dir, checkpoint=path)
     resumed.restore(state)

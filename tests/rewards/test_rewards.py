@@ -234,6 +234,27 @@ def test_user_function_need_not_be_picklable_and_sees_extra_info(tmp_path):
         assert reward("d", "a", "b", extra_info={"index": 2}).metrics == {"calls": 2.0}
 
 
+def test_a_user_reward_sees_none_of_the_runs_secrets(tmp_path, monkeypatch):
+    """Reward workers run user code: the secrets a launch reads from its environment
+    ($SAO_AUTH_TOKEN, also set by --auth_token; $SAO_LEARNER_TOKEN; $SAO_ROLLOUT_SECRET) are
+    not in theirs; other variables are."""
+    from sao_actor_learner.secret_env import SECRET_ENV_VARS
+    from sao_actor_learner.variables.security import AUTH_TOKEN_ENV
+    assert AUTH_TOKEN_ENV in SECRET_ENV_VARS
+    for name in SECRET_ENV_VARS:
+        monkeypatch.setenv(name, "secret-value-" + "x" * 16)
+    monkeypatch.setenv("SAO_TEST_PLAIN", "visible")
+    path = _write(tmp_path, "env_reward.py", """
+        import os
+        def compute_score(data_source, solution_str, ground_truth, **kwargs):
+            leaked = sum("secret-value" in v for v in os.environ.values())
+            return {"score": float(leaked), "plain": float(os.environ.get("SAO_TEST_PLAIN")
+                                                           == "visible")}
+    """)
+    with make_reward(f"{path}:compute_score", workers=1) as reward:
+        assert reward("d", "a", "b") == RewardResult(0.0, None, {"plain": 1.0})
+
+
 # ----------------------------------------------------------------------------- math_verify
 
 @pytest.mark.timeout(60)

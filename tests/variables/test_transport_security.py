@@ -104,6 +104,14 @@ def test_the_learner_credential_is_its_own_and_actors_never_hold_it(tmp_path, mo
         assert LEARNER.encode() not in _node_bytes(program, group), group
     assert AUTH.encode() in _node_bytes(program, "actor")
     assert LEARNER not in config.to_json() and AUTH not in repr(launch_credentials(config))
+    # The rollout secret: the learner's alone; each actor holds its own derived key.
+    monkeypatch.setenv(ROLLOUT_SECRET_ENV, "e" * 64)
+    signing = make_program(config.replace(num_actors=2))
+    assert b"e" * 64 in _node_bytes(signing, "learner")
+    assert b"e" * 64 not in _node_bytes(signing, "actor")
+    keys = [n.kwargs["rollout_key"] for n in signing.groups["actor"]]
+    assert len(set(keys)) == 2 and all(len(k) == 64 for k in keys)
+    monkeypatch.delenv(ROLLOUT_SECRET_ENV)
 
     monkeypatch.setenv(LEARNER_TOKEN_ENV, AUTH)
     with pytest.raises(ConfigError, match="equals the auth token"):
@@ -122,6 +130,9 @@ def test_the_learner_credential_is_its_own_and_actors_never_hold_it(tmp_path, mo
     with pytest.raises(ConfigError, match=f"set \\${ROLLOUT_SECRET_ENV}"):
         make_program(learner_host)                          # its actors run elsewhere
     monkeypatch.setenv(ROLLOUT_SECRET_ENV, "r" * 64)
+    with pytest.raises(ConfigError, match="set \\$SAO_RUN_ID"):
+        make_program(learner_host)                          # and the run id (run_identity.py)
+    monkeypatch.setenv("SAO_RUN_ID", "s" * 32)
     assert set(make_program(learner_host).groups) == {"replay", "learner"}
 
 

@@ -59,7 +59,7 @@ def checkpoint_weight_metadata(model_dir: str) -> ExpectedWeights:
     """
     from safetensors import safe_open
 
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    files = sorted(glob.glob(os.path.join(glob.escape(model_dir), "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir!r}: the served checkpoint's "
                                 "weights must be safetensors (save_pretrained does that)")
