@@ -500,11 +500,12 @@ def test_resume_refuses_a_changed_queue_capacity(tmp_path):
     capacity would silently keep the old one, so it fails before launch."""
     from sao_actor_learner.builder import prepare_run_dir
     from sao_actor_learner.config import ConfigError
+    from sao_actor_learner.run_dirs import make_recorded_dir
     config = SAOConfig(run_dir=str(tmp_path), batch_size=8)
     with pytest.raises(ConfigError, match="nothing to resume"):
         prepare_run_dir(config.replace(resume=True))
     (tmp_path / "config.json").write_text(config.to_json())
-    (tmp_path / "checkpoints" / "replay").mkdir(parents=True)
+    make_recorded_dir(str(tmp_path / "checkpoints" / "replay"), str(tmp_path))   # as replay does
     with pytest.raises(ConfigError, match="resume with queue_capacity=16"):
         prepare_run_dir(config.replace(resume=True, queue_capacity=32))
     prepare_run_dir(config.replace(resume=True, max_steps=500))      # kept as it is
