@@ -72,13 +72,20 @@ def _first_streak(flags: Sequence[bool], length: int) -> Optional[int]:
 def accuracy_onset(evals: Sequence[Tuple[int, float]], rule: CollapseRule = RULE
                    ) -> Optional[int]:
     """The step of the accuracy criterion's onset (module docstring), or None."""
-    pts = sorted(evals)
+    return _peak_drop_onset(sorted(evals), rule.eval_fraction, rule.eval_min_drop,
+                            rule.eval_consecutive)
+
+
+def _peak_drop_onset(points: Sequence[Tuple[int, float]], fraction: float, min_drop: float,
+                     streak: int) -> Optional[int]:
+    """The step starting the first `streak` points in a row each below both `fraction` x the
+    running peak and the peak minus `min_drop` (the peak includes the point itself), or None."""
     flags, peak = [], -math.inf
-    for _, acc in pts:
-        peak = max(peak, acc)
-        flags.append(acc < min(rule.eval_fraction * peak, peak - rule.eval_min_drop))
-    i = _first_streak(flags, rule.eval_consecutive)
-    return None if i is None else pts[i][0]
+    for _, v in points:
+        peak = max(peak, v)
+        flags.append(v < min(fraction * peak, peak - min_drop))
+    i = _first_streak(flags, streak)
+    return None if i is None else points[i][0]
 
 
 def trailing_full_means(points: Sequence[Tuple[int, float]], window: int
@@ -92,13 +99,8 @@ def trailing_full_means(points: Sequence[Tuple[int, float]], window: int
 
 def reward_onset(rewards: Sequence[Tuple[int, float]], rule: CollapseRule = RULE
                  ) -> Optional[int]:
-    smooth = trailing_full_means(rewards, rule.reward_window)
-    flags, peak = [], -math.inf
-    for _, v in smooth:
-        peak = max(peak, v)
-        flags.append(v < min(rule.reward_fraction * peak, peak - rule.reward_min_drop))
-    i = _first_streak(flags, rule.sustain)
-    return None if i is None else smooth[i][0]
+    return _peak_drop_onset(trailing_full_means(rewards, rule.reward_window),
+                            rule.reward_fraction, rule.reward_min_drop, rule.sustain)
 
 
 def length_onset(lengths: Sequence[Tuple[int, float]], rule: CollapseRule = RULE
