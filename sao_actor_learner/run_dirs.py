@@ -115,20 +115,24 @@ def make_recorded_dir(path: str, run_dir: str) -> str:
     return path
 
 
+def clearable(path: str, run_dir: Optional[str] = None) -> bool:
+    """Whether `path` may be deleted: it is missing, an empty folder, or a folder we made (its
+    marker, or run_dir's record)."""
+    if not os.path.lexists(path):
+        return True
+    return os.path.isdir(path) and not os.path.islink(path) and (
+        is_owned(path, run_dir) or not os.listdir(path))
+
+
 def remove_if_ours(path: str, what: str) -> None:
     """Deletes the scratch path `path` (a temporary sibling such as `<x>.tmp-<pid>` or
     `<x>.partial`) when it is missing, an empty folder, or a folder we marked; anything else
     there is someone else's: RuntimeError naming it (`what`: whose scratch it is), and
     nothing is deleted."""
-    if not os.path.lexists(path):
-        return
-    if os.path.isdir(path) and not os.path.islink(path):
-        if is_owned(path):
+    if clearable(path):
+        if os.path.lexists(path):
             shutil.rmtree(path)
-            return
-        if not os.listdir(path):
-            os.rmdir(path)
-            return
+        return
     raise RuntimeError(
         f"{path!r} is in the way of {what}, and it is not a folder this project made (it has "
         f"no {MARKER} marker), so it is not deleted; move or remove it yourself")
@@ -162,11 +166,9 @@ def _learner_entries(checkpoints: str) -> List[str]:
 def check_clearable(path: str, flag: str, run_dir: Optional[str] = None) -> None:
     """Raises ConfigError unless `path` is missing, an empty folder, or a folder we marked (or
     run_dir's record names)."""
-    if not os.path.lexists(path):
+    if clearable(path, run_dir):
         return
     if os.path.isdir(path) and not os.path.islink(path):
-        if is_owned(path, run_dir) or not os.listdir(path):
-            return
         what = "a folder this project did not make (it has no " + MARKER + " marker)"
     else:
         what = "not a folder this project made"
